@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC stubs (proto/generate.py); do not edit."""

@@ -1,0 +1,143 @@
+"""Command line: run, demo, check-config, faults, version (exit 0 ok, 1 runtime failure, 2 bad usage/config)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import logging
+import platform
+import signal
+import sys
+import time
+from pathlib import Path
+
+from agent import __version__
+from agent.config import Config, load_config
+from agent.errors import ConfigError
+
+log = logging.getLogger("agent")
+
+EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="npu-node-agent", description="Node agent for Ascend NPU training clusters.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser("run", help="run the agent (the DaemonSet's main process)")
+    run.add_argument("--config", help="YAML configuration file (every key optional)")
+
+    demo = commands.add_parser("demo", help="the whole agent on a simulated 8-NPU node with scripted faults")
+    demo.add_argument("--duration", type=float, default=60.0, help="seconds to run (0: until Ctrl-C); default 60")
+    demo.add_argument("--workdir", help="where the demo writes its configuration, state and log (default: a new temp dir)")
+
+    check = commands.add_parser("check-config", help="validate a configuration file and the rule files it names")
+    check.add_argument("file")
+
+    faults = commands.add_parser("faults", help="show the active faults of a running agent")
+    faults.add_argument("--target", default="127.0.0.1:9411", help="the agent's gRPC address (default 127.0.0.1:9411)")
+    faults.add_argument("--follow", action="store_true", help="keep printing changes")
+    faults.add_argument("--json", action="store_true", help="one JSON object per faulty device per line")
+    faults.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the agent (default 5)")
+
+    commands.add_parser("version", help="version and build information")
+
+    args = parser.parse_args(argv)
+    try:
+        return {"run": cmd_run, "demo": cmd_demo, "check-config": cmd_check_config,
+                "faults": cmd_faults, "version": cmd_version}[args.command](args)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"npu-node-agent: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def cmd_version(args) -> int:
+    native = "loaded" if importlib.util.find_spec("agent._native") else "not built"
+    print(f"npu-node-agent {__version__}\npython {platform.python_version()} ({platform.machine()})\n"
+          f"native extension: {native}")
+    return EXIT_OK
+
+
+def cmd_check_config(args) -> int:
+    from agent.devices.scenario import load_scenario
+    from agent.faults.service import load_tables
+
+    problems: list[str] = []
+    try:
+        config = load_config(args.file, environ={})
+    except ConfigError as exc:
+        problems = exc.problems
+    else:
+        for check in (lambda: load_tables(config.faults),
+                      lambda: config.devices.simulated.scenario and config.devices.backend == "simulated"
+                      and load_scenario(config.devices.simulated.scenario, config.devices.simulated.devices)):
+            try:
+                check()
+            except ConfigError as exc:
+                problems += exc.problems
+    if problems:
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        return EXIT_USAGE
+    print(f"{args.file}: ok")
+    return EXIT_OK
+
+
+def cmd_run(args) -> int:
+    from agent.logs import setup_logging
+
+    config = load_config(args.config)
+    setup_logging(config.log.level, config.log.format)
+    return asyncio.run(serve(config))
+
+
+async def serve(config: Config, stop: asyncio.Event | None = None, backend=None, on_started=None) -> int:
+    """Run the agent until `stop` is set or SIGTERM/SIGINT arrives; returns the exit code."""
+    from agent.supervisor import build_agent
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    try:
+        Path(config.state_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        log.error("state_dir is not usable; escalation history will not survive a restart",
+                  extra={"state_dir": config.state_dir, "error": str(exc)})
+    agent = build_agent(config, backend=backend)
+    log.info("npu-node-agent starting", extra={"version": __version__, "node": config.node_name,
+                                                "backend": config.devices.backend})
+    try:
+        await agent.supervisor.start()
+    except OSError as exc:
+        log.error("cannot start", extra={"error": str(exc)})
+        await agent.supervisor.stop()
+        return EXIT_RUNTIME
+    if on_started is not None:
+        on_started(agent)
+    await stop.wait()
+    started = time.monotonic()
+    log.info("stopping")
+    await agent.supervisor.stop()
+    log.info("stopped", extra={"seconds": round(time.monotonic() - started, 3)})
+    return EXIT_OK
+
+
+def cmd_demo(args) -> int:
+    from agent.demo import run_demo
+
+    return run_demo(args.duration, args.workdir)
+
+
+def cmd_faults(args) -> int:
+    from agent.faults.client import print_faults
+
+    return print_faults(args.target, follow=args.follow, as_json=args.json, timeout=args.timeout)

@@ -1,0 +1,276 @@
+"""The agent's configuration: schema with defaults, YAML loading, environment overrides, validation.
+
+Every key is optional; an unknown key is an error that names its full path, so a typo never
+silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from agent.errors import ConfigError
+from agent.faults.levels import Level
+
+
+@dataclass
+class LogConfig:
+    level: str = "info"  # debug | info | warning | error
+    format: str = "json"  # json | text
+
+
+@dataclass
+class HttpConfig:
+    listen: str = "0.0.0.0:9410"
+
+
+@dataclass
+class GrpcConfig:
+    listen: str = "0.0.0.0:9411"
+
+
+@dataclass
+class SimulatedConfig:
+    devices: int = 8
+    chip_name: str = "910B3"
+    scenario: str = ""  # YAML file of timed fault injections
+
+
+@dataclass
+class DevicesConfig:
+    backend: str = "dcmi"  # dcmi | simulated
+    dcmi_library: str = ""
+    poll_interval_seconds: float = 5.0
+    call_timeout_seconds: float = 2.0  # a driver call slower than this reports the device unknown
+    simulated: SimulatedConfig = field(default_factory=SimulatedConfig)
+
+
+@dataclass
+class FaultsConfig:
+    fault_code_file: str = ""
+    customization_file: str = ""
+    unknown_code_level: str = ""
+
+
+def _default_public_codes() -> dict[str, str]:
+    return {
+        "SubHealthFault": "010011001", "PreSeparateNPU": "010011002", "RestartRequest": "020011002",
+        "RestartBusiness": "020011002", "FreeRestartNPU": "020011002", "RestartNPU": "020011002",
+        "SeparateNPU": "020011001", "ManuallySeparateNPU": "020011001",
+    }
+
+
+@dataclass
+class ClusterdConfig:
+    enabled: bool = False
+    address: str = "clusterd-grpc-svc.mindx-dl.svc.cluster.local:8899"
+    resource: str = "npu-node-agent"
+    public_codes: dict[str, str] = field(default_factory=_default_public_codes)
+
+
+@dataclass
+class KubernetesConfig:
+    enabled: bool = False
+    device_info_configmap: bool = False
+
+
+@dataclass
+class ProfilingConfig:
+    root: str = "/user/cluster-info/profiling"
+    disk_limit_mb: int = 5000
+    metrics: bool = True
+
+
+@dataclass
+class DatatraceConfig:
+    enabled: bool = False
+    root: str = "/user/cluster-info/datatrace-config"
+
+
+@dataclass
+class TaskdProxyConfig:
+    enabled: bool = False
+    listen: str = "127.0.0.1:9602"
+    manager_port: int = 9601
+
+
+@dataclass
+class Config:
+    node_name: str = ""
+    state_dir: str = "/var/lib/npu-node-agent"
+    log: LogConfig = field(default_factory=LogConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+    grpc: GrpcConfig = field(default_factory=GrpcConfig)
+    devices: DevicesConfig = field(default_factory=DevicesConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    clusterd: ClusterdConfig = field(default_factory=ClusterdConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    datatrace: DatatraceConfig = field(default_factory=DatatraceConfig)
+    taskd_proxy: TaskdProxyConfig = field(default_factory=TaskdProxyConfig)
+
+
+def load_config(path: str | None, environ: typing.Mapping[str, str] | None = None) -> Config:
+    """Read, override from the environment, and validate; raises ConfigError listing every problem."""
+    environ = os.environ if environ is None else environ
+    document: object = {}
+    if path:
+        try:
+            document = yaml.safe_load(Path(path).read_text("utf-8")) or {}
+        except OSError as exc:
+            raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
+            raise ConfigError([f"{path}: invalid YAML{where}: {getattr(exc, 'problem', None) or exc}"]) from None
+    problems: list[str] = []
+    config = _build(Config, document, "", problems)
+    if problems:
+        raise ConfigError(problems)
+    _apply_environment(config, environ)
+    problems = validate(config)
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def config_from_dict(document: dict, environ: typing.Mapping[str, str] | None = None) -> Config:
+    """The same as `load_config` for an in-memory document (used by `demo` and tests)."""
+    problems: list[str] = []
+    config = _build(Config, document, "", problems)
+    if problems:
+        raise ConfigError(problems)
+    _apply_environment(config, {} if environ is None else environ)
+    problems = validate(config)
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _apply_environment(config: Config, environ: typing.Mapping[str, str]) -> None:
+    if not config.node_name:
+        config.node_name = environ.get("NODE_NAME") or socket.gethostname()
+    server_ip = environ.get("MINDX_SERVER_IP")
+    if server_ip:
+        _, port = split_host_port(config.clusterd.address)
+        config.clusterd.address = f"{server_ip}:{port}"
+
+
+def _build(cls: type, document: object, prefix: str, problems: list[str]):
+    where = prefix.rstrip(".") or "configuration"
+    if not isinstance(document, dict):
+        problems.append(f"{where}: expected a mapping, got {type(document).__name__}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in document.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            problems.append(f"{path}: unknown key (known: {', '.join(sorted(names))})")
+            continue
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            values[key] = _build(hint, value, f"{path}.", problems)
+        else:
+            checked = _check_scalar(hint, value, path, problems)
+            if checked is not None:
+                values[key] = checked
+    return cls(**values)
+
+
+def _check_scalar(hint, value, path: str, problems: list[str]):
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        problems.append(f"{path}: expected true or false, got {value!r}")
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        problems.append(f"{path}: expected an integer, got {value!r}")
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        problems.append(f"{path}: expected a number, got {value!r}")
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+        problems.append(f"{path}: expected a string, got {value!r} (quote it)")
+    elif typing.get_origin(hint) is dict:
+        if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            return dict(value)
+        problems.append(f"{path}: expected a mapping of strings to strings (quote numbers)")
+    else:  # pragma: no cover - the schema only uses the types above
+        raise TypeError(f"unsupported schema type {hint} at {path}")
+    return None
+
+
+_HOST_PORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[^:\s]+):(?P<port>\d{1,5})$")
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    match = _HOST_PORT.match(text)
+    if not match or not 0 <= int(match["port"]) <= 65535:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    return match["host"].strip("[]"), int(match["port"])
+
+
+def validate(config: Config) -> list[str]:
+    problems: list[str] = []
+
+    def check(ok: bool, path: str, reason: str) -> None:
+        if not ok:
+            problems.append(f"{path}: {reason}")
+
+    def check_listen(path: str, text: str) -> None:
+        try:
+            split_host_port(text)
+        except ValueError as exc:
+            problems.append(f"{path}: {exc}")
+
+    check(config.log.level in ("debug", "info", "warning", "error"), "log.level",
+          f"{config.log.level!r} is not one of debug, info, warning, error")
+    check(config.log.format in ("json", "text"), "log.format", f"{config.log.format!r} is not json or text")
+    check(bool(config.state_dir), "state_dir", "must not be empty")
+    check_listen("http.listen", config.http.listen)
+    check_listen("grpc.listen", config.grpc.listen)
+    check_listen("clusterd.address", config.clusterd.address)
+    check_listen("taskd_proxy.listen", config.taskd_proxy.listen)
+    devices = config.devices
+    check(devices.backend in ("dcmi", "simulated"), "devices.backend", f"{devices.backend!r} is not dcmi or simulated")
+    check(0.2 <= devices.poll_interval_seconds <= 3600, "devices.poll_interval_seconds",
+          f"{devices.poll_interval_seconds} is out of range 0.2..3600")
+    check(0.05 <= devices.call_timeout_seconds <= 60, "devices.call_timeout_seconds",
+          f"{devices.call_timeout_seconds} is out of range 0.05..60")
+    check(1 <= devices.simulated.devices <= 64, "devices.simulated.devices",
+          f"{devices.simulated.devices} is out of range 1..64")
+    if config.faults.unknown_code_level:
+        try:
+            Level.parse(config.faults.unknown_code_level)
+        except ValueError as exc:
+            problems.append(f"faults.unknown_code_level: {exc}")
+    for level, code in config.clusterd.public_codes.items():
+        check(level in Level.__members__ and level != "NormalNPU", f"clusterd.public_codes.{level}",
+              "is not a fault level")
+        check(bool(re.fullmatch(r"\d{9}", code)), f"clusterd.public_codes.{level}",
+              f"{code!r} is not a 9-digit public fault code")
+    check(0 < config.profiling.disk_limit_mb, "profiling.disk_limit_mb", "must be positive")
+    check(1 <= config.taskd_proxy.manager_port <= 65535, "taskd_proxy.manager_port", "is not a port number")
+    check(not config.datatrace.enabled or config.kubernetes.enabled, "datatrace.enabled",
+          "needs kubernetes.enabled")
+    check(not config.kubernetes.device_info_configmap or config.kubernetes.enabled,
+          "kubernetes.device_info_configmap", "needs kubernetes.enabled")
+    return problems
+
+
+def to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)
+
+

@@ -1,0 +1,143 @@
+"""`npu-node-agent demo`: the agent on a simulated 8-NPU node with scripted faults, on one machine.
+
+The demo writes a normal configuration (plus its scenario and customization files) into its work
+directory and runs the same agent `run` would, so what it shows is what a node would show; the
+files stay behind for `npu-node-agent run --config <workdir>/config.yaml`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from agent.config import load_config
+from agent.faults.hub import Change, Snapshot
+
+# Times in seconds from the start; the scenario repeats every 60 s.
+SCENARIO = {
+    "repeat_every": 60,
+    "steps": [
+        {"at": 2, "device": 1, "action": "occur", "code": "80E18402", "severity": 3},  # SeparateNPU
+        {"at": 4, "device": 3, "action": "occur", "code": "80C98009", "via": "poll"},  # no event: polling finds it
+        {"at": 6, "device": 5, "action": "occur", "code": "80E18005"},  # RestartNPU, 1st time
+        {"at": 7, "device": 5, "action": "recover", "code": "80E18005"},
+        {"at": 8, "device": 6, "action": "occur", "code": "81078603", "severity": 1},  # link down; duration rule
+        {"at": 10, "device": 5, "action": "occur", "code": "80E18005"},  # 2nd time
+        {"at": 11, "device": 5, "action": "recover", "code": "80E18005"},
+        {"at": 14, "device": 1, "action": "recover", "code": "80E18402"},
+        {"at": 16, "device": 5, "action": "occur", "code": "80E18005"},  # 3rd time: ManuallySeparateNPU
+        {"at": 17, "device": 5, "action": "recover", "code": "80E18005"},
+        {"at": 20, "device": 6, "action": "recover", "code": "81078603"},  # held PreSeparate for 10 s more
+        {"at": 22, "device": 3, "action": "recover", "code": "80C98009", "via": "poll"},
+        {"at": 24, "device": 7, "action": "drop"},  # card drop: health answers -8012
+        {"at": 26, "device": 0, "action": "once", "code": "80E21007", "severity": 0},
+        {"at": 36, "device": 7, "action": "restore"},
+    ],
+}
+
+CUSTOMIZATION = {
+    "FaultFrequency": [{"EventId": ["80E18005"], "TimeWindow": 3600, "Times": 3,
+                        "FaultHandling": "ManuallySeparateNPU", "ReleaseTimeWindow": 60}],
+    "FaultDuration": [{"EventId": ["81078603"], "FaultTimeout": 5, "RecoverTimeout": 10,
+                       "FaultHandling": "PreSeparateNPU"}],
+}
+
+
+def _free(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def write_demo_files(workdir: Path) -> Path:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "scenario.yaml").write_text(yaml.safe_dump(SCENARIO, sort_keys=False))
+    (workdir / "customization.json").write_text(json.dumps(CUSTOMIZATION, indent=2))
+    http_port = 9410 if _free("127.0.0.1", 9410) else 0
+    grpc_port = 9411 if _free("127.0.0.1", 9411) else 0
+    config = {
+        "node_name": "demo-node",
+        "state_dir": str(workdir / "state"),
+        "log": {"level": "info", "format": "json"},
+        "http": {"listen": f"127.0.0.1:{http_port}"},
+        "grpc": {"listen": f"127.0.0.1:{grpc_port}"},
+        "devices": {"backend": "simulated", "poll_interval_seconds": 2,
+                    "simulated": {"devices": 8, "chip_name": "910B3", "scenario": str(workdir / "scenario.yaml")}},
+        "faults": {"customization_file": str(workdir / "customization.json")},
+    }
+    path = workdir / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def _summary(states) -> str:
+    faulty = [f"NPU{s.phy_id}:{s.level.name}[{','.join(c.text for c in s.codes)}]" for s in states if s.faulty]
+    healthy = sum(1 for s in states if not s.faulty)
+    return f"healthy {healthy}/{len(states)}" + (" | " + " ".join(faulty) if faulty else "")
+
+
+def run_demo(duration: float, workdir: str | None) -> int:
+    from agent.cli import serve
+    from agent.logs import setup_logging
+
+    root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="npu-node-agent-demo-"))
+    config_path = write_demo_files(root)
+    config = load_config(str(config_path), environ={})
+    log_file = open(root / "agent.log", "a", encoding="utf-8")
+    setup_logging(config.log.level, config.log.format, stream=log_file)
+    tty = sys.stdout.isatty()
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        started = time.monotonic()
+
+        def on_started(agent) -> None:
+            http, grpc_port = agent.http.port, agent.grpc.port
+            print(f"npu-node-agent demo: simulated 8-NPU node 'demo-node', scripted faults repeating every 60 s\n"
+                  f"  metrics:      http://127.0.0.1:{http}/metrics   (npu_agent_device_fault, npu_chip_info_health_status, ...)\n"
+                  f"  readiness:    http://127.0.0.1:{http}/readyz\n"
+                  f"  fault stream: npu-node-agent faults --target 127.0.0.1:{grpc_port} --follow\n"
+                  f"  files:        {root}  (config.yaml, scenario.yaml, customization.json, agent.log)\n"
+                  f"  run it again: npu-node-agent run --config {config_path}\n", flush=True)
+            asyncio.create_task(watch(agent))
+
+        async def watch(agent) -> None:
+            subscription = agent.hub.subscribe()
+            while True:
+                item = await subscription.next(1.0)
+                elapsed = time.monotonic() - started
+                if isinstance(item, Change) and not tty:
+                    s = item.state
+                    codes = ", ".join(f"{c.text} {c.level.name}" + (f" by {c.escalated_by}" if c.escalated_by else "")
+                                      for c in s.codes) or "-"
+                    health = {1: "healthy", 0: "unhealthy", -1: "unknown"}[int(s.health)]
+                    print(f"[{elapsed:5.1f}s] rev {item.revision:<3} NPU{s.phy_id} {health:<9} {s.level.name:<19} {codes}",
+                          flush=True)
+                if tty and (item is None or isinstance(item, (Change, Snapshot))):
+                    line = f"[{elapsed:5.1f}s] rev {agent.hub.revision} {_summary(agent.faults.engine.states())}"
+                    print("\r" + line[:160].ljust(160), end="", flush=True)
+                if duration and elapsed >= duration:
+                    stop.set()
+                    return
+
+        code = await serve(config, stop=stop, on_started=on_started)
+        if tty:
+            print()
+        return code
+
+    try:
+        code = asyncio.run(main())
+    finally:
+        log_file.close()
+    print(f"demo finished; the agent's log is {root / 'agent.log'}")
+    return code

@@ -1,0 +1,255 @@
+"""The device monitor: listens to the driver's fault events and polls it, off the event loop.
+
+Events give speed; polling gives certainty (it mends lost events, sees codes that raise no event,
+and notices a dropped card). Every driver call runs in a worker thread with a time-out: a call
+that hangs makes the device "unknown", never the agent. A device whose previous call is still
+stuck is not called again until that call returns, so hung calls cannot pile up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Protocol
+
+from agent.devices.base import BackendError, DeviceBackend, DeviceInfo, DriverEvent, Reading
+from agent.faults.codes import RESET_FINISH_CODE
+from agent.faults.engine import Health
+
+log = logging.getLogger(__name__)
+
+RECOVER_DELAY_S = 1.0  # a recover event races the error-code list; confirm it by a poll this much later
+OPEN_RETRY_S = 30.0
+
+
+class FaultObserver(Protocol):
+    def on_inventory(self, devices: list[DeviceInfo]) -> None: ...
+    def on_event(self, device: DeviceInfo, event: DriverEvent) -> None: ...
+    def on_reading(self, device: DeviceInfo, reading: Reading, started_ms: int) -> None: ...
+
+
+class CallTimeout(Exception):
+    pass
+
+
+class TokenBucket:
+    """At most `rate_per_minute` events, in bursts up to the same number (the device plugin's limit)."""
+
+    def __init__(self, rate_per_minute: int, clock: Callable[[], float]):
+        self._capacity = float(rate_per_minute)
+        self._rate = rate_per_minute / 60.0
+        self._tokens = self._capacity
+        self._clock = clock
+        self._last = clock()
+
+    def take(self) -> bool:
+        now = self._clock()
+        self._tokens = min(self._capacity, self._tokens + (now - self._last) * self._rate)
+        self._last = now
+        if self._tokens >= 1:
+            self._tokens -= 1
+            return True
+        return False
+
+
+class DeviceMonitor:
+    name = "devices"
+
+    def __init__(self, backend: DeviceBackend, observer: FaultObserver, *, poll_interval_s: float,
+                 call_timeout_s: float, clock: Callable[[], float] = time.time,
+                 event_rate_per_minute: int = 1000, open_retry_s: float = OPEN_RETRY_S):
+        self.backend = backend
+        self._observer = observer
+        self._poll_interval_s = poll_interval_s
+        self._call_timeout_s = call_timeout_s
+        self._clock = clock
+        self._open_retry_s = open_retry_s
+        self._bucket = TokenBucket(event_rate_per_minute, time.monotonic)
+        self._executor: ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._main: asyncio.Task | None = None
+        self._stuck: set[str] = set()  # calls still blocked in the driver
+        self._polls: dict[int, asyncio.Task] = {}  # logic id -> running poll
+        self._scheduled: dict[int, asyncio.TimerHandle] = {}
+        self._by_logic: dict[int, DeviceInfo] = {}
+        self._last_error: dict[int, str] = {}
+        self._unknown_logged: set[int] = set()
+        self.devices: list[DeviceInfo] = []
+        self.error = "not started"
+        self.events_error = ""
+        self.polled_once = False
+        self.counters = {"events": 0, "events_dropped": 0, "polls": 0, "call_timeouts": 0, "read_errors": 0}
+
+    # ---- component ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        # Threads are started on demand; the bound leaves room for every device to have one stuck call.
+        self._executor = ThreadPoolExecutor(max_workers=72, thread_name_prefix="driver")
+        self._main = asyncio.create_task(self._run(), name="device-monitor")
+
+    async def stop(self) -> None:
+        if self._main is not None:
+            self._main.cancel()
+        for handle in self._scheduled.values():
+            handle.cancel()
+        for task in self._polls.values():
+            task.cancel()
+        self._loop = None  # events still arriving from the driver thread are dropped from now on
+        try:
+            await asyncio.wait_for(self._blocking("close", self.backend.close), 2.0)
+        except (CallTimeout, asyncio.TimeoutError):
+            log.warning("driver close did not return in time")
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def readiness(self) -> tuple[bool, str]:
+        if not self.devices:
+            return False, self.error
+        if not self.polled_once:
+            return False, "first poll of the devices not finished"
+        return True, ""
+
+    # ---- the driver, off the loop ---------------------------------------------------------------
+
+    async def _blocking(self, key: str, fn: Callable, *args, timeout: float | None = None):
+        """Run `fn(*args)` in a worker thread; raise CallTimeout when it takes too long or is still stuck."""
+        if key in self._stuck:
+            raise CallTimeout(f"{key}: the previous call has not returned yet")
+        loop = asyncio.get_running_loop()
+        future = self._executor.submit(fn, *args)
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)),
+                                          timeout or self._call_timeout_s)
+        except TimeoutError:
+            self.counters["call_timeouts"] += 1
+            self._stuck.add(key)
+            future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._stuck.discard, key))
+            raise CallTimeout(f"{key}: no answer within {timeout or self._call_timeout_s:g}s") from None
+
+    async def _run(self) -> None:
+        await self._open()
+        await self._subscribe()
+        while True:
+            await self._poll_all()
+            self.polled_once = True
+            await asyncio.sleep(self._poll_interval_s)
+
+    async def _open(self) -> None:
+        last = ""
+        while True:
+            try:
+                devices = await self._blocking("open", self.backend.open, timeout=max(30.0, self._call_timeout_s))
+                break
+            except (BackendError, CallTimeout) as exc:
+                self.error = f"{self.backend.name} backend unavailable: {exc}"
+            except Exception as exc:  # a driver misbehaving in a way we did not foresee
+                self.error = f"{self.backend.name} backend failed: {exc!r}"
+            if self.error != last:
+                log.error("devices unavailable; retrying", extra={"reason": self.error, "retry_s": self._open_retry_s})
+                last = self.error
+            await asyncio.sleep(self._open_retry_s)
+        self.devices = devices
+        self._by_logic = {d.logic_id: d for d in devices}
+        self.error = ""
+        log.info("devices found", extra={"backend": self.backend.name, "count": len(devices),
+                                         "devices": [f"logic {d.logic_id} = phy {d.phy_id} ({d.model_name})" for d in devices]})
+        self._observer.on_inventory(devices)
+
+    async def _subscribe(self) -> None:
+        try:
+            why = await self._blocking("subscribe", self.backend.subscribe, self._on_driver_event)
+        except CallTimeout as exc:
+            why = str(exc)
+        self.events_error = why
+        if why:
+            log.warning("fault events unavailable; relying on polling",
+                        extra={"reason": why, "poll_interval_s": self._poll_interval_s})
+        else:
+            log.info("subscribed to driver fault events")
+
+    # ---- events -------------------------------------------------------------------------------
+
+    def _on_driver_event(self, event: DriverEvent) -> None:
+        """Called on the driver's thread: hand the event to the loop and return at once."""
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(self._handle_event, event)
+        except RuntimeError:  # the loop closed under us during shutdown
+            pass
+
+    def _handle_event(self, event: DriverEvent) -> None:
+        device = self._by_logic.get(event.logic_id)
+        if event.code == 0 or device is None:
+            if device is None and event.logic_id not in self._unknown_logged:
+                self._unknown_logged.add(event.logic_id)
+                log.warning("fault event for an unknown device skipped", extra={"logic_id": event.logic_id})
+            return
+        self.counters["events"] += 1
+        if not self._bucket.take():
+            # Over the rate limit: let a poll of the device mend whatever this event said.
+            self.counters["events_dropped"] += 1
+            self._schedule_poll(device, 0.0)
+            return
+        if event.code == RESET_FINISH_CODE:
+            self._schedule_poll(device, 0.0)
+        elif event.assertion == 0:
+            self._schedule_poll(device, RECOVER_DELAY_S)
+        else:
+            self._observer.on_event(device, event)
+
+    # ---- polling ------------------------------------------------------------------------------
+
+    async def _poll_all(self) -> None:
+        await asyncio.gather(*(self._poll(device) for device in self.devices))
+
+    def _schedule_poll(self, device: DeviceInfo, delay: float) -> None:
+        if self._loop is None or device.logic_id in self._scheduled:
+            return
+
+        def fire() -> None:
+            self._scheduled.pop(device.logic_id, None)
+            asyncio.ensure_future(self._poll(device, fresh=True))
+
+        self._scheduled[device.logic_id] = self._loop.call_later(delay, fire)
+
+    async def _poll(self, device: DeviceInfo, fresh: bool = False) -> None:
+        """Read one device. One read per device at a time: join the one under way, and with
+        `fresh` read again after it (it may have started before the event that asked for this)."""
+        running = self._polls.get(device.logic_id)
+        if running is not None:
+            await asyncio.shield(running)
+            if not fresh or device.logic_id in self._polls:
+                return
+        task = asyncio.ensure_future(self._read(device))
+        self._polls[device.logic_id] = task
+        try:
+            await asyncio.shield(task)
+        finally:
+            if self._polls.get(device.logic_id) is task:
+                del self._polls[device.logic_id]
+
+    async def _read(self, device: DeviceInfo) -> None:
+        started_ms = int(self._clock() * 1000)
+        self.counters["polls"] += 1
+        try:
+            reading = await self._blocking(f"read/{device.logic_id}", self.backend.read, device)
+        except CallTimeout as exc:
+            reading = Reading(Health.UNKNOWN, None, str(exc))
+        except Exception as exc:
+            reading = Reading(Health.UNKNOWN, None, f"read failed: {exc!r}")
+        if reading.error:
+            self.counters["read_errors"] += 1
+        if reading.error != self._last_error.get(device.logic_id, ""):
+            # Log transitions only: a device that stays broken does not flood the log.
+            if reading.error:
+                log.error("device read failed; its last known faults stay", extra={
+                    "device": device.phy_id, "logic_id": device.logic_id, "reason": reading.error})
+            else:
+                log.info("device read works again", extra={"device": device.phy_id, "logic_id": device.logic_id})
+            self._last_error[device.logic_id] = reading.error
+        self._observer.on_reading(device, reading, started_ms)

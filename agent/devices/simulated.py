@@ -1,0 +1,91 @@
+"""The `simulated` backend: a node of N NPUs that behaves like the driver, driven by a scenario.
+
+It answers the same calls as the DCMI backend (inventory, health, error codes, fault events from
+its own thread), so everything above it runs unchanged on a machine without NPUs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from agent.devices.base import DeviceInfo, DriverEvent, Reading
+from agent.devices.scenario import Scenario, Step
+from agent.faults.codes import CARD_DROP_CODE
+from agent.faults.engine import Health
+
+
+class SimulatedBackend:
+    name = "simulated"
+
+    def __init__(self, devices: int = 8, chip_name: str = "910B3", scenario: Scenario | None = None,
+                 clock: Callable[[], float] = time.time):
+        self._count = devices
+        self._chip_name = chip_name
+        self._scenario = scenario
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._codes: dict[int, dict[int, int]] = {i: {} for i in range(devices)}  # phy -> code -> raised_s
+        self._dropped: set[int] = set()
+        self._on_event: Callable[[DriverEvent], None] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def open(self) -> list[DeviceInfo]:
+        model = f"{self._chip_name}-Ascend-V1"
+        return [DeviceInfo(i, i, i, 0, self._chip_name, model) for i in range(self._count)]
+
+    def read(self, device: DeviceInfo) -> Reading:
+        with self._lock:
+            codes = frozenset(self._codes[device.phy_id])
+            dropped = device.phy_id in self._dropped
+        if dropped:
+            return Reading(Health.UNHEALTHY, codes | {CARD_DROP_CODE})
+        return Reading(Health.UNHEALTHY if codes else Health.HEALTHY, codes)
+
+    def subscribe(self, on_event: Callable[[DriverEvent], None]) -> str:
+        self._on_event = on_event
+        if self._scenario is not None and self._scenario.steps and self._thread is None:
+            self._thread = threading.Thread(target=self._play, name="simulated-driver", daemon=True)
+            self._thread.start()
+        return ""
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def apply(self, step: Step) -> None:
+        """Apply one injection now (the scenario thread calls this; so may a test or the demo)."""
+        now = int(self._clock())
+        event = None
+        with self._lock:
+            codes = self._codes[step.device]
+            if step.action == "occur":
+                codes.setdefault(step.code, now)
+                event = DriverEvent(step.device, step.code, 1, step.severity, codes[step.code])
+            elif step.action == "recover":
+                raised = codes.pop(step.code, now)
+                event = DriverEvent(step.device, step.code, 0, step.severity, raised)
+            elif step.action == "once":
+                event = DriverEvent(step.device, step.code, 2, step.severity, now)
+            elif step.action == "drop":
+                self._dropped.add(step.device)
+            elif step.action == "restore":
+                self._dropped.discard(step.device)
+        if event is not None and step.via == "event" and self._on_event is not None:
+            self._on_event(event)
+
+    def _play(self) -> None:
+        scenario = self._scenario
+        while not self._stop.is_set():
+            started = time.monotonic()
+            for step in scenario.steps:
+                if self._stop.wait(max(0.0, started + step.at_s - time.monotonic())):
+                    return
+                self.apply(step)
+            if scenario.repeat_every_s <= 0:
+                return
+            if self._stop.wait(max(0.0, started + scenario.repeat_every_s - time.monotonic())):
+                return

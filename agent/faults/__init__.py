@@ -1,0 +1,1 @@
+"""Fault classification and escalation (pure core) and the fault outputs."""

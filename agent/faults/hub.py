@@ -1,0 +1,125 @@
+"""The fault hub: the node's current fault state, revisioned changes, and fan-out to subscribers.
+
+Each published device state gets the next revision. The hub keeps the last `keep` changes so a
+subscriber that reconnects can resume; one that asks for more than that, or falls further behind
+than its queue allows, is given a fresh snapshot instead. A slow subscriber never blocks the
+publisher or the other subscribers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from agent.faults.engine import DeviceState
+
+
+@dataclass(frozen=True)
+class Change:
+    revision: int
+    state: DeviceState
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    revision: int
+    devices: tuple[Change, ...]  # every device with the revision of its last change
+
+
+class Subscription:
+    def __init__(self, hub: "FaultHub", queue_limit: int):
+        self._hub = hub
+        self._limit = queue_limit
+        self._pending: deque[Change] = deque()
+        self._wakeup = asyncio.Event()
+        self.needs_snapshot = False
+
+    def push(self, change: Change) -> None:
+        if self.needs_snapshot:
+            return
+        if len(self._pending) >= self._limit:
+            # Too far behind: drop the backlog, the next item is a fresh snapshot.
+            self._pending.clear()
+            self.needs_snapshot = True
+            self._hub.counters["resynced"] += 1
+        else:
+            self._pending.append(change)
+        self._wakeup.set()
+
+    def prime(self, changes: list[Change] | None) -> None:
+        """Start with these missed changes, or with a snapshot when None."""
+        if changes is None:
+            self.needs_snapshot = True
+        else:
+            self._pending.extend(changes)
+        self._wakeup.set()
+
+    async def next(self, timeout: float | None) -> Change | Snapshot | None:
+        """The next item; None when `timeout` passed with nothing to send (time for a keepalive)."""
+        while not self._pending and not self.needs_snapshot:
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+            except TimeoutError:
+                return None
+        if self.needs_snapshot:
+            self.needs_snapshot = False
+            self._pending.clear()
+            return self._hub.snapshot()
+        return self._pending.popleft()
+
+    def close(self) -> None:
+        self._hub._subscribers.discard(self)
+
+
+class FaultHub:
+    def __init__(self, node: str, keep: int = 4096, queue_limit: int = 1024):
+        self.node = node
+        self.epoch = secrets.token_hex(8)  # a new epoch per process: revisions restart with it
+        self.revision = 0
+        self._latest: dict[int, Change] = {}
+        self._recent: deque[Change] = deque(maxlen=keep)
+        self._queue_limit = queue_limit
+        self._subscribers: set[Subscription] = set()
+        self.counters: Counter[str] = Counter()  # delivered / resynced, for metrics
+
+    def publish(self, states: list[DeviceState]) -> list[Change]:
+        changes = []
+        for state in states:
+            self.revision += 1
+            change = Change(self.revision, state)
+            self._latest[state.phy_id] = change
+            self._recent.append(change)
+            changes.append(change)
+            for subscriber in list(self._subscribers):
+                subscriber.push(change)
+        return changes
+
+    def latest(self, phy_id: int) -> DeviceState | None:
+        change = self._latest.get(phy_id)
+        return None if change is None else change.state
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.revision, tuple(self._latest[phy] for phy in sorted(self._latest)))
+
+    def subscribe(self, epoch: str = "", since_revision: int = 0) -> Subscription:
+        subscription = Subscription(self, self._queue_limit)
+        subscription.prime(self._missed(epoch, since_revision))
+        self._subscribers.add(subscription)
+        return subscription
+
+    def _missed(self, epoch: str, since: int) -> list[Change] | None:
+        if not epoch or epoch != self.epoch or since > self.revision:
+            return None
+        if since == self.revision:
+            return []
+        oldest = self._recent[0].revision if self._recent else self.revision + 1
+        if since + 1 < oldest:
+            return None  # no longer kept
+        return [change for change in self._recent if change.revision > since]
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subscribers)

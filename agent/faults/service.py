@@ -1,0 +1,212 @@
+"""The fault component: feeds driver observations to the engine and publishes what changed.
+
+It owns the engine's surroundings: the rule tables and their reload on change, the escalation
+history in `state_dir`, and the timer that lets time-based rules fire without new input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+from agent.config import FaultsConfig
+from agent.devices.base import DeviceInfo, DriverEvent, Reading
+from agent.errors import ConfigError
+from agent.faults.codes import FaultCodeTable, load_fault_code_table
+from agent.faults.customization import Customization, load_customization
+from agent.faults.engine import Assertion, DeviceState, EngineSettings, FaultEngine
+from agent.faults.hub import FaultHub
+from agent.faults.levels import Level
+from agent.fsutil import atomic_write, file_identity
+
+log = logging.getLogger(__name__)
+
+HISTORY_FILE = "fault-history.json"
+
+
+def load_tables(config: FaultsConfig) -> tuple[FaultCodeTable, Customization]:
+    """Both rule files; raises ConfigError naming the file and every problem in it."""
+    problems: list[str] = []
+    table = customization = None
+    try:
+        table = load_fault_code_table(config.fault_code_file)
+    except ConfigError as exc:
+        problems += exc.problems
+    try:
+        customization = load_customization(config.customization_file)
+    except ConfigError as exc:
+        problems += exc.problems
+    if problems:
+        raise ConfigError(problems)
+    return table, customization
+
+
+class FaultService:
+    name = "faults"
+
+    def __init__(self, config: FaultsConfig, state_dir: str, hub: FaultHub, *,
+                 once_hold_s: float, clock: Callable[[], float] = time.time, reload_interval_s: float = 2.0):
+        self._config = config
+        self._history_path = Path(state_dir) / HISTORY_FILE
+        self._hub = hub
+        self._clock = clock
+        self._reload_interval_s = reload_interval_s
+        self._table_error = ""
+        self._watched = self._identities()
+        try:
+            table, customization = load_tables(config)
+        except ConfigError as exc:
+            # Keep detecting with the built-in table rather than not at all; /readyz says why.
+            self._table_error = "; ".join(exc.problems)
+            log.error("fault rule files are invalid; using the built-in table until they are fixed",
+                      extra={"problems": exc.problems})
+            table, customization = load_fault_code_table(""), load_customization("")
+        self._log_table(table, customization)
+        unknown = Level.parse(config.unknown_code_level) if config.unknown_code_level else None
+        self.engine = FaultEngine(table, customization, EngineSettings(unknown, int(once_hold_s * 1000)))
+        self.reloads = {"success": 0, "failure": 0}
+        self._history_loaded = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._reload_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- component --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._reload_task = asyncio.create_task(self._watch_files(), name="fault-rule-reload")
+
+    async def stop(self) -> None:
+        if self._reload_task is not None:
+            self._reload_task.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._save_history()
+
+    def readiness(self) -> tuple[bool, str]:
+        if self._table_error:
+            return False, f"fault rule files invalid: {self._table_error}"
+        return True, ""
+
+    # ---- FaultObserver ------------------------------------------------------------------------
+
+    def on_inventory(self, devices: list[DeviceInfo]) -> None:
+        now = self._now_ms()
+        changes: list[DeviceState] = []
+        for device in devices:
+            changes += self.engine.add_device(device.phy_id, device.logic_id, now)
+        if not self._history_loaded:
+            self._history_loaded = True
+            changes += self.engine.import_history(self._read_history(), now)
+        self._publish(changes)
+
+    def on_event(self, device: DeviceInfo, event: DriverEvent) -> None:
+        if event.assertion not in (0, 1, 2):
+            log.warning("fault event with an unknown assertion skipped",
+                        extra={"device": device.phy_id, "code": f"{event.code:08X}", "assertion": event.assertion})
+            return
+        raised_ms = event.raised_s * 1000 if event.raised_s else None
+        self._publish(self.engine.on_event(device.phy_id, event.code, Assertion(event.assertion), event.severity,
+                                           raised_ms, self._now_ms()))
+
+    def on_reading(self, device: DeviceInfo, reading: Reading, started_ms: int) -> None:
+        self._publish(self.engine.on_reading(device.phy_id, reading.codes, reading.health, self._now_ms(),
+                                             started_ms))
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _now_ms(self) -> int:
+        return int(self._clock() * 1000)
+
+    def _publish(self, changes: list[DeviceState]) -> None:
+        for state in changes:
+            previous = self._hub.latest(state.phy_id)
+            quiet = not state.faulty and (previous is None or not previous.faulty)
+            (log.debug if quiet else log.info)("device fault state changed", extra={
+                "device": state.phy_id, "logic_id": state.logic_id, "fault_level": state.level.name,
+                "health": int(state.health), "codes": [f"{c.text}:{c.level.name}" + (f"({c.escalated_by})" if c.escalated_by else "")
+                                                       for c in state.codes]})
+        if changes:
+            self._hub.publish(changes)
+        if self.engine.history_dirty:
+            self._save_history()
+        self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        if self._loop is None:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        deadline = self.engine.next_deadline_ms()
+        if deadline is not None:
+            delay = max(0.0, (deadline - self._now_ms()) / 1000)
+            self._timer = self._loop.call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._publish(self.engine.tick(self._now_ms()))
+
+    def _read_history(self) -> dict:
+        try:
+            return json.loads(self._history_path.read_text("utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            aside = self._history_path.with_name(f"{HISTORY_FILE}.corrupt-{int(self._clock())}")
+            try:
+                self._history_path.rename(aside)
+            except OSError:
+                pass
+            log.error("escalation history unreadable; starting without it", extra={
+                "path": str(self._history_path), "error": str(exc), "moved_to": str(aside)})
+            return {}
+
+    def _save_history(self) -> None:
+        try:
+            data = json.dumps(self.engine.export_history(), sort_keys=True).encode()
+            atomic_write(self._history_path, data)
+        except OSError as exc:
+            self.engine.history_dirty = True  # try again with the next change
+            log.error("cannot save the escalation history", extra={"path": str(self._history_path), "error": str(exc)})
+
+    def _identities(self) -> tuple:
+        return tuple(file_identity(p) if p else None
+                     for p in (self._config.fault_code_file, self._config.customization_file))
+
+    async def _watch_files(self) -> None:
+        while True:
+            await asyncio.sleep(self._reload_interval_s)
+            current = self._identities()
+            if current == self._watched:
+                continue
+            self._watched = current
+            self.reload()
+
+    def reload(self) -> bool:
+        """Load the rule files again; a bad file keeps the rules in force and says why."""
+        try:
+            table, customization = load_tables(self._config)
+        except ConfigError as exc:
+            self.reloads["failure"] += 1
+            self._table_error = "; ".join(exc.problems)
+            log.error("fault rule reload failed; the previous rules stay in force", extra={"problems": exc.problems})
+            return False
+        self.reloads["success"] += 1
+        self._table_error = ""
+        self._log_table(table, customization)
+        self._publish(self.engine.reconfigure(table, customization, self._now_ms()))
+        return True
+
+    @staticmethod
+    def _log_table(table: FaultCodeTable, customization: Customization) -> None:
+        for warning in (*table.warnings, *customization.warnings):
+            log.warning(warning)
+        log.info("fault rules loaded", extra={
+            "fault_codes": table.source, "codes": len(table), "customization": customization.source,
+            "frequency_rules": len(set(customization.frequency.values())),
+            "duration_rules": len(set(customization.duration.values()))})

@@ -1,0 +1,70 @@
+"""The agent's own gRPC fault stream (npuagent.v1.NodeFaults): snapshot, then changes, resumable."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from agent._proto import npu_agent_faults_pb2 as pb
+from agent._proto import npu_agent_faults_pb2_grpc as pb_grpc
+from agent.faults.engine import DeviceState
+from agent.faults.hub import Change, FaultHub, Snapshot
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KEEPALIVE_S = 15.0
+SERVICE_NAME = "npuagent.v1.NodeFaults"
+
+
+def device_message(state: DeviceState, revision: int) -> pb.DeviceFaults:
+    return pb.DeviceFaults(
+        revision=revision, device=state.phy_id, logic_id=state.logic_id, level=state.level.name, since_ms=state.since_ms,
+        health=int(state.health),
+        codes=[pb.ActiveCode(code=c.text, level=c.level.name, since_ms=c.since_ms,
+                             severity=-1 if c.severity is None else c.severity, escalated_by=c.escalated_by)
+               for c in state.codes])
+
+
+class NodeFaultsServicer(pb_grpc.NodeFaultsServicer):
+    def __init__(self, hub: FaultHub):
+        self._hub = hub
+
+    def _snapshot_message(self, snapshot: Snapshot) -> pb.FaultSnapshot:
+        return pb.FaultSnapshot(node=self._hub.node, epoch=self._hub.epoch, revision=snapshot.revision,
+                                devices=[device_message(c.state, c.revision) for c in snapshot.devices])
+
+    async def GetFaults(self, request, context):
+        return self._snapshot_message(self._hub.snapshot())
+
+    async def Watch(self, request, context):
+        keepalive = float(request.keepalive_seconds) or DEFAULT_KEEPALIVE_S
+        subscription = self._hub.subscribe(request.epoch, request.since_revision)
+        peer = context.peer()
+        log.info("fault stream subscriber joined", extra={"peer": peer, "since_revision": request.since_revision})
+        try:
+            while True:
+                item = await subscription.next(keepalive)
+                if item is None:
+                    message = pb.WatchResponse(keepalive=pb.Keepalive(
+                        revision=self._hub.revision, time_ms=int(time.time() * 1000)))
+                elif isinstance(item, Snapshot):
+                    message = pb.WatchResponse(snapshot=self._snapshot_message(item))
+                else:
+                    message = pb.WatchResponse(change=self._change_message(item))
+                await context.write(message)
+                if isinstance(item, Change):
+                    self._hub.counters["delivered"] += 1
+        finally:
+            subscription.close()
+            log.info("fault stream subscriber left", extra={"peer": peer})
+
+    def _change_message(self, change: Change) -> pb.DeviceChange:
+        return pb.DeviceChange(node=self._hub.node, epoch=self._hub.epoch, revision=change.revision,
+                               device=device_message(change.state, change.revision))
+
+
+def add_to_server(server: grpc.aio.Server, hub: FaultHub) -> str:
+    pb_grpc.add_NodeFaultsServicer_to_server(NodeFaultsServicer(hub), server)
+    return SERVICE_NAME

@@ -1,0 +1,57 @@
+"""The agent's gRPC server: the fault stream, grpc.health.v1 and server reflection."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from agent.faults import stream
+from agent.faults.hub import FaultHub
+
+log = logging.getLogger(__name__)
+
+# Let clients ping as often as every 10 s and keep idle streams open; close connections that stop answering.
+SERVER_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_concurrent_streams", 128),
+]
+
+
+class GrpcServer:
+    name = "grpc"
+
+    def __init__(self, listen: str, hub: FaultHub):
+        self._listen = listen
+        self._hub = hub
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self.port = 0
+
+    async def start(self) -> None:
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        service = stream.add_to_server(server, self._hub)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            [service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+        self.port = server.add_insecure_port(self._listen)
+        if self.port == 0:
+            raise OSError(f"grpc.listen {self._listen}: cannot bind")
+        await server.start()
+        self._server = server
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info("grpc server listening", extra={"address": self._listen.rsplit(":", 1)[0] + f":{self.port}"})
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._health.enter_graceful_shutdown()
+            await self._server.stop(grace=2.0)
+
+    def readiness(self) -> tuple[bool, str]:
+        return (self._server is not None, "" if self._server is not None else "not listening")

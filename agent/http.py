@@ -1,0 +1,75 @@
+"""The HTTP endpoint: GET /metrics (Prometheus text), /healthz and /readyz, on the agent's event loop.
+
+A deliberately small HTTP/1.1 server (GET and HEAD, one request per connection) so the scrape reads
+the components' state on the same loop that changes it, with no locks and no extra thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from agent.config import split_host_port
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 8192
+READ_TIMEOUT_S = 10.0
+
+
+class HttpEndpoint:
+    name = "http"
+
+    def __init__(self, listen: str, registry: CollectorRegistry, readiness: Callable[[], tuple[bool, list[str]]],
+                 liveness: Callable[[], tuple[bool, str]] = lambda: (True, "")):
+        self._host, self._port = split_host_port(listen)
+        self._registry = registry
+        self._readiness = readiness
+        self._liveness = liveness
+        self._server: asyncio.base_events.Server | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, self._host, self._port, limit=MAX_REQUEST_BYTES)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("http endpoint listening", extra={"address": f"{self._host}:{self.port}"})
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    def readiness(self) -> tuple[bool, str]:
+        return (self._server is not None, "" if self._server is not None else "not listening")
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
+            method, target, _ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
+            status, content_type, body = self._route(method, target.split("?", 1)[0])
+            header = (f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+                      "Connection: close\r\n\r\n").encode("latin-1")
+            writer.write(header if method == "HEAD" else header + body)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ValueError,
+                ConnectionError):
+            pass  # a bad or vanished client: nothing to answer
+        finally:
+            writer.close()
+
+    def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
+        if method not in ("GET", "HEAD"):
+            return "405 Method Not Allowed", "text/plain", b"only GET\n"
+        if path == "/metrics":
+            return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self._registry)
+        if path == "/healthz":
+            alive, why = self._liveness()
+            return ("200 OK", "text/plain", b"ok\n") if alive else ("503 Service Unavailable", "text/plain", f"{why}\n".encode())
+        if path == "/readyz":
+            ready, reasons = self._readiness()
+            text = "ok\n" if ready else "".join(f"{r}\n" for r in reasons)
+            return ("200 OK" if ready else "503 Service Unavailable"), "text/plain", text.encode()
+        return "404 Not Found", "text/plain", b"not found: try /metrics, /healthz or /readyz\n"

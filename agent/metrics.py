@@ -1,0 +1,118 @@
+"""Prometheus metrics, rendered at scrape time from the components' own state (a custom collector).
+
+Nothing is pushed into metric objects as things happen: a device or code that is gone is simply not
+rendered any more, so no series lingers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from agent import __version__
+from agent.devices.monitor import DeviceMonitor
+from agent.faults.hub import FaultHub
+from agent.faults.service import FaultService
+
+
+class AgentCollector:
+    def __init__(self, node: str, monitor: DeviceMonitor, faults: FaultService, hub: FaultHub,
+                 components: Callable[[], list[tuple[str, bool]]]):
+        self._node = node
+        self._monitor = monitor
+        self._faults = faults
+        self._hub = hub
+        self._components = components
+
+    def describe(self) -> list[Metric]:
+        return []  # no collect() at registration time
+
+    def collect(self) -> Iterable[Metric]:
+        node = self._node
+        models = {d.phy_id: d.model_name for d in self._monitor.devices}
+        states = self._faults.engine.states()
+
+        health = GaugeMetricFamily("npu_chip_info_health_status",
+                                   "NPU health from the driver: 1 healthy, 0 unhealthy, -1 unknown (the driver did not answer)",
+                                   labels=["node", "id", "model_name"])
+        fault = GaugeMetricFamily("npu_agent_device_fault", "1 for each active fault code, with the code's own level",
+                                  labels=["node", "id", "fault_code", "fault_level"])
+        level = GaugeMetricFamily("npu_agent_device_fault_level",
+                                  "Rank of the device's worst fault level: NormalNPU 0 .. ManuallySeparateNPU 9",
+                                  labels=["node", "id"])
+        for state in states:
+            device = str(state.phy_id)
+            health.add_metric([node, device, models.get(state.phy_id, "")], int(state.health))
+            level.add_metric([node, device], int(state.level))
+            for code in state.codes:
+                fault.add_metric([node, device, code.text, code.level.name], 1)
+        yield health
+        yield fault
+        yield level
+
+        npus = GaugeMetricFamily("machine_npu_nums", "Number of NPUs the driver lists on this node", labels=["node"])
+        npus.add_metric([node], len(self._monitor.devices))
+        yield npus
+
+        events = CounterMetricFamily("npu_agent_fault_events_total",
+                                     "Fault events applied, from driver events and from polls that mended lost ones",
+                                     labels=["node", "assertion"])
+        for assertion in ("occur", "recover", "once"):
+            events.add_metric([node, assertion], self._faults.engine.event_counts[assertion])
+        yield events
+
+        reports = CounterMetricFamily("npu_agent_fault_reports_total", "Fault changes handed to each sink, by result",
+                                      labels=["node", "sink", "result"])
+        reports.add_metric([node, "stream", "delivered"], self._hub.counters["delivered"])
+        reports.add_metric([node, "stream", "resynced"], self._hub.counters["resynced"])
+        yield reports
+
+        subscribers = GaugeMetricFamily("npu_agent_fault_stream_subscribers", "Open fault stream subscriptions",
+                                        labels=["node"])
+        subscribers.add_metric([node], self._hub.subscribers)
+        yield subscribers
+
+        counters = self._monitor.counters
+        driver = CounterMetricFamily("npu_agent_driver_events_total",
+                                     "Driver fault events received; rate_limited ones were mended by a poll",
+                                     labels=["node", "result"])
+        driver.add_metric([node, "accepted"], counters["events"] - counters["events_dropped"])
+        driver.add_metric([node, "rate_limited"], counters["events_dropped"])
+        yield driver
+        polls = CounterMetricFamily("npu_agent_device_polls_total", "Device polls (health and error codes)",
+                                    labels=["node"])
+        polls.add_metric([node], counters["polls"])
+        yield polls
+        timeouts = CounterMetricFamily("npu_agent_driver_call_timeouts_total",
+                                       "Driver calls that did not return within devices.call_timeout_seconds",
+                                       labels=["node"])
+        timeouts.add_metric([node], counters["call_timeouts"])
+        yield timeouts
+        fault_events_ok = GaugeMetricFamily("npu_agent_driver_events_subscribed",
+                                            "1 when the driver delivers fault events, 0 when only polling works",
+                                            labels=["node"])
+        fault_events_ok.add_metric([node], 0 if (self._monitor.events_error or not self._monitor.devices) else 1)
+        yield fault_events_ok
+
+        reloads = CounterMetricFamily("npu_agent_fault_rule_reloads_total",
+                                      "Reloads of the fault-code and customization files", labels=["node", "result"])
+        for result, count in self._faults.reloads.items():
+            reloads.add_metric([node, result], count)
+        yield reloads
+
+        ready = GaugeMetricFamily("npu_agent_component_ready", "1 when the component is ready", labels=["node", "component"])
+        for name, ok in self._components():
+            ready.add_metric([node, name], 1 if ok else 0)
+        yield ready
+
+        info = GaugeMetricFamily("npu_agent_build_info", "Version of the running agent", labels=["node", "version"])
+        info.add_metric([node, __version__], 1)
+        yield info
+
+
+def make_registry(collector: AgentCollector) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry

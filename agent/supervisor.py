@@ -1,0 +1,101 @@
+"""Builds the components the configuration enables, starts them in order and stops them in reverse."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from agent.config import Config
+from agent.devices.base import DeviceBackend
+from agent.devices.dcmi import DcmiBackend
+from agent.devices.monitor import DeviceMonitor
+from agent.devices.scenario import load_scenario
+from agent.devices.simulated import SimulatedBackend
+from agent.faults.hub import FaultHub
+from agent.faults.service import FaultService
+from agent.grpc_server import GrpcServer
+from agent.http import HttpEndpoint
+from agent.metrics import AgentCollector, make_registry
+
+log = logging.getLogger(__name__)
+
+STOP_BUDGET_S = 8.0  # SIGTERM to exit within 10 s, with room for the interpreter to wind down
+
+
+class Component(Protocol):
+    name: str
+
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    def readiness(self) -> tuple[bool, str]: ...
+
+
+class Supervisor:
+    def __init__(self, components: list[Component]):
+        self.components = components
+        self._started: list[Component] = []
+
+    async def start(self) -> None:
+        for component in self.components:
+            await component.start()
+            self._started.append(component)
+
+    async def stop(self, budget_s: float = STOP_BUDGET_S) -> None:
+        deadline = time.monotonic() + budget_s
+        for component in reversed(self._started):
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                await asyncio.wait_for(component.stop(), remaining)
+            except asyncio.TimeoutError:
+                log.warning("component did not stop in time", extra={"component": component.name})
+            except Exception:
+                log.exception("component failed to stop", extra={"component": component.name})
+        self._started.clear()
+
+    def states(self) -> list[tuple[str, bool, str]]:
+        return [(c.name, *c.readiness()) for c in self.components]
+
+    def readiness(self) -> tuple[bool, list[str]]:
+        reasons = [f"{name}: {why}" for name, ok, why in self.states() if not ok]
+        return not reasons, reasons
+
+
+@dataclass
+class Agent:
+    config: Config
+    supervisor: Supervisor
+    hub: FaultHub
+    faults: FaultService
+    monitor: DeviceMonitor
+    http: HttpEndpoint
+    grpc: GrpcServer
+
+
+def make_backend(config: Config, clock: Callable[[], float] = time.time) -> DeviceBackend:
+    devices = config.devices
+    if devices.backend == "simulated":
+        sim = devices.simulated
+        scenario = load_scenario(sim.scenario, sim.devices) if sim.scenario else None
+        return SimulatedBackend(sim.devices, sim.chip_name, scenario, clock)
+    return DcmiBackend(devices.dcmi_library)
+
+
+def build_agent(config: Config, backend: DeviceBackend | None = None,
+                clock: Callable[[], float] = time.time) -> Agent:
+    hub = FaultHub(config.node_name)
+    faults = FaultService(config.faults, config.state_dir, hub,
+                          once_hold_s=config.devices.poll_interval_seconds, clock=clock)
+    monitor = DeviceMonitor(backend or make_backend(config, clock), faults,
+                            poll_interval_s=config.devices.poll_interval_seconds,
+                            call_timeout_s=config.devices.call_timeout_seconds, clock=clock)
+    grpc_server = GrpcServer(config.grpc.listen, hub)
+    supervisor = Supervisor([])
+    collector = AgentCollector(config.node_name, monitor, faults, hub,
+                               lambda: [(name, ok) for name, ok, _ in supervisor.states()])
+    http = HttpEndpoint(config.http.listen, make_registry(collector), supervisor.readiness)
+    # Servers first, so /readyz and the stream answer while the driver is still being opened.
+    supervisor.components = [http, grpc_server, faults, monitor]
+    return Agent(config, supervisor, hub, faults, monitor, http, grpc_server)

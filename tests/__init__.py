@@ -1,0 +1,1 @@
+"""Tests for the Ascend NPU node agent."""

@@ -1,0 +1,1 @@
+"""Test doubles for external dependencies of the agent."""

@@ -1,0 +1,425 @@
+"""Self-test of the fake libdcmi.so, loaded with plain ctypes in this process."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.fakes.dcmi import FakeDcmiControl, build_fake_dcmi
+
+OK, INVALID_PARAM, NOT_READY, NOT_INIT = 0, -8001, -8012, -8020
+CODE_A, CODE_B, CODE_C = 0x80E01801, 0x8C2FA009, 0xA8028802
+
+
+class ChipInfo(ctypes.Structure):
+    _fields_ = [
+        ("chip_type", ctypes.c_ubyte * 32),
+        ("chip_name", ctypes.c_ubyte * 32),
+        ("chip_ver", ctypes.c_ubyte * 32),
+        ("aicore_cnt", ctypes.c_uint),
+    ]
+
+
+class EventFilter(ctypes.Structure):
+    _fields_ = [
+        ("filter_flag", ctypes.c_ulonglong),
+        ("event_id", ctypes.c_uint),
+        ("severity", ctypes.c_ubyte),
+        ("node_type", ctypes.c_ubyte),
+        ("resv", ctypes.c_ubyte * 32),
+    ]
+
+
+class DmsFaultEvent(ctypes.Structure):
+    _fields_ = [
+        ("event_id", ctypes.c_uint),
+        ("deviceid", ctypes.c_ushort),
+        ("node_type", ctypes.c_ubyte),
+        ("node_id", ctypes.c_ubyte),
+        ("sub_node_type", ctypes.c_ubyte),
+        ("sub_node_id", ctypes.c_ubyte),
+        ("severity", ctypes.c_ubyte),
+        ("assertion", ctypes.c_ubyte),
+        ("event_serial_num", ctypes.c_int),
+        ("notify_serial_num", ctypes.c_int),
+        ("alarm_raised_time", ctypes.c_ulonglong),
+        ("event_name", ctypes.c_char * 256),
+        ("additional_info", ctypes.c_char * 32),
+        ("os_id", ctypes.c_ubyte),
+        ("resv_1", ctypes.c_ubyte * 1),
+        ("node_type_ex", ctypes.c_ushort),
+        ("sub_node_type_ex", ctypes.c_ushort),
+        ("resv_2", ctypes.c_ubyte * 2),
+        ("resv", ctypes.c_ubyte * 24),
+    ]
+
+
+class EventUnion(ctypes.Union):
+    _fields_ = [("dms_event", DmsFaultEvent)]
+
+
+class DcmiEvent(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("event_t", EventUnion)]
+
+
+CALLBACK = ctypes.CFUNCTYPE(None, ctypes.POINTER(DcmiEvent))
+_KEEPALIVE: list = []  # the library keeps callback pointers until process exit
+
+P = ctypes.POINTER
+_INT, _UINT = ctypes.c_int, ctypes.c_uint
+_SIGNATURES = {
+    "dcmi_init": [],
+    "dcmi_get_card_list": [P(_INT), P(_INT), _INT],
+    "dcmi_get_device_num_in_card": [_INT, P(_INT)],
+    "dcmi_get_device_logic_id": [P(_INT), _INT, _INT],
+    "dcmi_get_device_phyid_from_logicid": [_UINT, P(_UINT)],
+    "dcmi_get_device_logicid_from_phyid": [_UINT, P(_UINT)],
+    "dcmi_get_card_id_device_id_from_logicid": [P(_INT), P(_INT), _UINT],
+    "dcmi_get_device_chip_info": [_INT, _INT, P(ChipInfo)],
+    "dcmi_get_device_health": [_INT, _INT, P(_UINT)],
+    "dcmi_get_device_errorcode_v2": [_INT, _INT, P(_INT), P(_UINT), _UINT],
+    "dcmi_subscribe_fault_event": [_INT, _INT, EventFilter, CALLBACK],
+}
+
+
+def load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name, argtypes in _SIGNATURES.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    lib.fake_dcmi_layout.restype = ctypes.c_char_p
+    return lib
+
+
+def wait_until(predicate, timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.005)
+
+
+# -- fixtures --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fake_dcmi")
+
+
+@pytest.fixture
+def make_fake(built, tmp_path, monkeypatch):
+    """Load a private instance of the library; returns (lib, ctl, trace)."""
+    controls: list[FakeDcmiControl] = []
+    # sun_path holds only 107 bytes, so keep the socket out of the deep tmp_path.
+    sock_dir = Path(tempfile.mkdtemp(prefix="fdcmi-"))
+
+    def make(variant: str = "full", init: bool = True, **env: str) -> SimpleNamespace:
+        # glibc shares one instance per file, and dcmi_init state is per
+        # instance: a fresh copy gives every test a freshly booted "driver".
+        copy = tmp_path / f"{variant}-{len(controls)}" / "libdcmi.so"
+        copy.parent.mkdir()
+        shutil.copyfile(build_fake_dcmi(built, variant), copy)
+        sock = sock_dir / f"ctl{len(controls)}"
+        trace = tmp_path / f"trace{len(controls)}"
+        monkeypatch.setenv("FAKE_DCMI_CONTROL", str(sock))
+        monkeypatch.setenv("FAKE_DCMI_TRACE", str(trace))
+        for key in ("CARDS", "CHIPS_PER_CARD", "CHIP_NAME", "PHY_IDS"):
+            monkeypatch.delenv(f"FAKE_DCMI_{key}", raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(f"FAKE_DCMI_{key.upper()}", value)
+        lib = load(copy)
+        ctl = FakeDcmiControl(sock)
+        controls.append(ctl)
+        if init:
+            assert lib.dcmi_init() == OK
+            ctl.connect()
+        return SimpleNamespace(lib=lib, ctl=ctl, trace=trace)
+
+    yield make
+    for ctl in controls:
+        ctl.close()
+    shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def fake(make_fake) -> SimpleNamespace:
+    return make_fake()
+
+
+def health(lib, card: int, device: int = 0) -> tuple[int, int]:
+    value = ctypes.c_uint(0xDEAD)
+    rc = lib.dcmi_get_device_health(card, device, ctypes.byref(value))
+    return rc, value.value
+
+
+def error_codes(lib, card: int, device: int = 0, list_len: int = 128) -> tuple[int, list[int]]:
+    count = ctypes.c_int(-1)
+    codes = (ctypes.c_uint * max(list_len, 1))()
+    rc = lib.dcmi_get_device_errorcode_v2(card, device, ctypes.byref(count), codes, list_len)
+    return rc, list(codes[: max(count.value, 0)])
+
+
+def subscribe(lib, card=-1, device=-1, event_id=None) -> list[dict]:
+    """Register a recording callback; returns the list it appends to."""
+    events: list[dict] = []
+
+    def on_event(ptr):
+        ev = ptr.contents
+        f = ev.event_t.dms_event
+        record = {name: getattr(f, name) for name, _ in DmsFaultEvent._fields_}
+        record["type"] = ev.type
+        # Calling back into DCMI from the callback must not deadlock.
+        record["health_rc"] = health(lib, f.deviceid)[0]
+        events.append(record)
+
+    flt = EventFilter()
+    if event_id is not None:
+        flt.filter_flag, flt.event_id = 1, event_id
+    cb = CALLBACK(on_event)
+    _KEEPALIVE.append(cb)
+    assert lib.dcmi_subscribe_fault_event(card, device, flt, cb) == OK
+    return events
+
+
+# -- tests -----------------------------------------------------------------
+
+
+def test_default_topology(fake):
+    lib = fake.lib
+    num, cards = ctypes.c_int(), (ctypes.c_int * 64)()
+    assert lib.dcmi_get_card_list(ctypes.byref(num), cards, 64) == OK
+    assert list(cards[: num.value]) == list(range(8))
+    phy = ctypes.c_uint()
+    for logic in range(8):
+        assert lib.dcmi_get_device_phyid_from_logicid(logic, ctypes.byref(phy)) == OK
+        assert phy.value == 7 - logic
+    info = ChipInfo()
+    assert lib.dcmi_get_device_chip_info(3, 0, ctypes.byref(info)) == OK
+    assert bytes(info.chip_type).rstrip(b"\0") == b"Ascend"
+    assert bytes(info.chip_name).rstrip(b"\0") == b"910B3"
+    assert bytes(info.chip_ver).rstrip(b"\0") == b"V1"
+    assert info.aicore_cnt == 24
+    assert health(lib, 7) == (OK, 0)
+    assert error_codes(lib, 7) == (OK, [])
+
+
+def test_inventory_with_several_chips_per_card(make_fake):
+    lib = make_fake(cards="2", chips_per_card="2", chip_name="910B4", phy_ids="10,11,12,13").lib
+    num, cards = ctypes.c_int(), (ctypes.c_int * 4)()
+    assert lib.dcmi_get_card_list(ctypes.byref(num), cards, 4) == OK
+    assert list(cards[: num.value]) == [0, 1]
+    n = ctypes.c_int()
+    assert lib.dcmi_get_device_num_in_card(1, ctypes.byref(n)) == OK and n.value == 2
+    logic = ctypes.c_int()
+    assert lib.dcmi_get_device_logic_id(ctypes.byref(logic), 1, 1) == OK and logic.value == 3
+    phy, back = ctypes.c_uint(), ctypes.c_uint()
+    assert lib.dcmi_get_device_phyid_from_logicid(2, ctypes.byref(phy)) == OK and phy.value == 12
+    assert lib.dcmi_get_device_logicid_from_phyid(12, ctypes.byref(back)) == OK
+    assert back.value == 2
+    card, dev = ctypes.c_int(), ctypes.c_int()
+    assert lib.dcmi_get_card_id_device_id_from_logicid(ctypes.byref(card), ctypes.byref(dev), 2) == OK
+    assert (card.value, dev.value) == (1, 0)
+    info = ChipInfo()
+    assert lib.dcmi_get_device_chip_info(1, 1, ctypes.byref(info)) == OK
+    assert bytes(info.chip_name).rstrip(b"\0") == b"910B4"
+
+
+def test_invalid_parameters(fake):
+    lib = fake.lib
+    num, cards, out = ctypes.c_int(), (ctypes.c_int * 8)(), ctypes.c_uint()
+    assert lib.dcmi_get_card_list(ctypes.byref(num), cards, 4) == INVALID_PARAM
+    assert lib.dcmi_get_card_list(None, cards, 8) == INVALID_PARAM
+    assert lib.dcmi_get_device_num_in_card(8, ctypes.byref(num)) == INVALID_PARAM
+    assert lib.dcmi_get_device_logic_id(ctypes.byref(num), 0, 1) == INVALID_PARAM
+    assert lib.dcmi_get_device_phyid_from_logicid(8, ctypes.byref(out)) == INVALID_PARAM
+    assert lib.dcmi_get_device_logicid_from_phyid(99, ctypes.byref(out)) == INVALID_PARAM
+    assert lib.dcmi_get_device_health(0, 0, None) == INVALID_PARAM
+    assert health(lib, -1) == (INVALID_PARAM, 0xDEAD)
+    assert lib.dcmi_get_device_errorcode_v2(0, 0, None, None, 0) == INVALID_PARAM
+
+
+def test_calls_before_init_and_repeated_init(make_fake):
+    fake = make_fake(init=False, cards="2")
+    assert health(fake.lib, 0)[0] == NOT_INIT
+    assert fake.lib.dcmi_init() == OK
+    fake.ctl.connect()
+    assert fake.lib.dcmi_init() == OK  # idempotent: the socket and topology stay
+    num, cards = ctypes.c_int(), (ctypes.c_int * 8)()
+    assert fake.lib.dcmi_get_card_list(ctypes.byref(num), cards, 8) == OK
+    assert num.value == 2
+    stats = fake.ctl.stats()
+    assert stats["calls"]["dcmi_init"] == 2
+    assert stats["calls"]["dcmi_get_device_health"] == 0  # the pre-init call is not counted
+    assert stats["calls"]["dcmi_get_card_list"] == 1
+
+
+def test_occur_and_recover_change_error_codes_and_health(fake):
+    lib, ctl = fake.lib, fake.ctl
+    ctl.occur(2, CODE_A)
+    ctl.occur(2, CODE_B, via="silent")
+    ctl.occur(2, CODE_A)  # no duplicates
+    assert error_codes(lib, 2) == (OK, [CODE_A, CODE_B])
+    assert error_codes(lib, 2, list_len=1) == (OK, [CODE_A])
+    assert error_codes(lib, 3) == (OK, [])
+    assert health(lib, 2) == (OK, 1)  # alarms make a healthy device report 1
+    ctl.health(2, 3)
+    assert health(lib, 2) == (OK, 3)
+    ctl.health(2, 0)
+    ctl.recover(2, CODE_A, via="silent")
+    assert error_codes(lib, 2) == (OK, [CODE_B])
+    ctl.recover(2, CODE_B)
+    assert error_codes(lib, 2) == (OK, [])
+    assert health(lib, 2) == (OK, 0)
+
+
+def test_drop_makes_device_not_ready(fake):
+    lib, ctl = fake.lib, fake.ctl
+    ctl.occur(5, CODE_A, via="silent")
+    ctl.drop(5)
+    assert health(lib, 5)[0] == NOT_READY
+    assert error_codes(lib, 5)[0] == NOT_READY
+    assert health(lib, 4) == (OK, 0)
+    ctl.restore(5)
+    assert health(lib, 5) == (OK, 1)
+    assert error_codes(lib, 5) == (OK, [CODE_A])
+
+
+def test_callback_receives_events(fake):
+    lib, ctl = fake.lib, fake.ctl
+    events = subscribe(lib)
+    before = int(time.time())
+    ctl.occur(1, CODE_A, severity=3)
+    ctl.occur(1, CODE_B, via="silent")
+    ctl.recover(1, CODE_A)
+    ctl.once(6, CODE_C)
+    ctl.event(0, 0x1234ABCD, assertion=1, severity=0)
+    after = int(time.time())
+
+    # The reply comes after the callbacks, so no waiting is needed here.
+    assert [(e["deviceid"], e["event_id"], e["assertion"], e["severity"]) for e in events] == [
+        (1, CODE_A, 1, 3),
+        (1, CODE_A, 0, 3),
+        (6, CODE_C, 2, 1),
+        (0, 0x1234ABCD, 1, 0),
+    ]
+    occur, recovery = events[0], events[1]
+    assert occur["type"] == 0
+    assert occur["event_name"] == b"fake dcmi event %X" % CODE_A
+    assert before <= occur["alarm_raised_time"] <= after
+    assert recovery["alarm_raised_time"] == occur["alarm_raised_time"]
+    serials = [e["event_serial_num"] for e in events]
+    assert serials == sorted(set(serials)) and serials[0] >= 1
+    assert all(e["notify_serial_num"] == e["event_serial_num"] for e in events)
+    assert all(e["health_rc"] == OK for e in events)
+    for field in ("node_type", "node_id", "sub_node_type", "os_id", "node_type_ex"):
+        assert all(e[field] == 0 for e in events)
+    assert ctl.stats()["subscribers"] == 1
+
+    lines = fake.trace.read_text().splitlines()
+    assert [line.split()[2:] for line in lines] == [
+        ["1", "%X" % CODE_A, "1"],
+        ["1", "%X" % CODE_A, "0"],
+        ["6", "%X" % CODE_C, "2"],
+        ["0", "1234ABCD", "1"],
+    ]
+    stamps = [int(line.split()[1]) for line in lines]
+    assert all(line.startswith("cb ") for line in lines)
+    assert stamps == sorted(stamps) and abs(stamps[0] / 1e9 - before) < 5
+
+
+def test_device_subscription_and_event_id_filter(fake):
+    lib, ctl = fake.lib, fake.ctl
+    only_b_on_3 = subscribe(lib, card=3, device=0, event_id=CODE_B)
+    on_3 = subscribe(lib, card=3, device=0)
+    ctl.occur(3, CODE_A)
+    ctl.occur(3, CODE_B)
+    ctl.occur(4, CODE_B)
+    assert [e["event_id"] for e in only_b_on_3] == [CODE_B]
+    assert [e["event_id"] for e in on_3] == [CODE_A, CODE_B]
+    flt = EventFilter()
+    cb = CALLBACK(lambda ptr: None)
+    _KEEPALIVE.append(cb)
+    assert lib.dcmi_subscribe_fault_event(8, 0, flt, cb) == INVALID_PARAM
+    assert lib.dcmi_subscribe_fault_event(-1, -1, flt, CALLBACK()) == INVALID_PARAM
+
+
+def test_hang_blocks_until_released(fake):
+    lib, ctl = fake.lib, fake.ctl
+    ctl.hang("dcmi_get_device_health", 300)
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(out=health(lib, 0)), daemon=True)
+    worker.start()
+    # Calls are counted before they hang, under the same lock as the wait.
+    wait_until(lambda: ctl.stats()["calls"]["dcmi_get_device_health"] == 1, what="hung call")
+    assert worker.is_alive() and not result
+    assert error_codes(lib, 0) == (OK, [])  # other functions are unaffected
+    ctl.hang("dcmi_get_device_health", 0)
+    worker.join(timeout=5)
+    assert not worker.is_alive()
+    assert result["out"] == (OK, 0)
+    assert health(lib, 0) == (OK, 0)  # cleared: no longer hangs
+
+
+def test_hang_expires_on_its_own(fake):
+    fake.ctl.hang("dcmi_get_device_errorcode_v2", 0.2)
+    start = time.monotonic()
+    assert error_codes(fake.lib, 0) == (OK, [])
+    assert time.monotonic() - start >= 0.19
+
+
+def test_fail_injects_return_code(fake):
+    lib, ctl = fake.lib, fake.ctl
+    ctl.occur(0, CODE_A, via="silent")
+    ctl.fail("dcmi_get_device_errorcode_v2", -8005)
+    assert error_codes(lib, 0)[0] == -8005
+    assert health(lib, 0) == (OK, 1)
+    ctl.fail("dcmi_get_device_errorcode_v2", 0)
+    assert error_codes(lib, 0) == (OK, [CODE_A])
+
+
+def test_control_errors(fake):
+    ctl = fake.ctl
+    with pytest.raises(RuntimeError, match="unknown function"):
+        ctl.hang("dcmi_nope", 1)
+    with pytest.raises(RuntimeError, match="bad logic id"):
+        ctl.drop(8)
+    with pytest.raises(RuntimeError, match="unknown command"):
+        ctl._command("frobnicate")
+    with pytest.raises(RuntimeError, match="bad hex code"):
+        ctl._command("occur", 0, "XYZ")
+    ctl._command("occur", 0, "80e01801", "silent")  # hex in any case, severity optional
+    assert error_codes(fake.lib, 0) == (OK, [CODE_A])
+
+
+def test_no_subscribe_variant_lacks_symbol(make_fake):
+    fake = make_fake(variant="no_subscribe")
+    assert not hasattr(fake.lib, "dcmi_subscribe_fault_event")
+    assert "dcmi_subscribe_fault_event" not in fake.ctl.stats()["calls"]
+    fake.ctl.occur(0, CODE_A)  # events with no subscribers are fine
+    assert error_codes(fake.lib, 0) == (OK, [CODE_A])
+
+
+def test_layout_matches_ctypes(fake):
+    layout = json.loads(fake.lib.fake_dcmi_layout())
+
+    def describe(cls) -> dict:
+        return {"size": ctypes.sizeof(cls), **{n: getattr(cls, n).offset for n, _ in cls._fields_}}
+
+    assert layout == {
+        "dcmi_chip_info": describe(ChipInfo),
+        "dcmi_event_filter": describe(EventFilter),
+        "dcmi_dms_fault_event": describe(DmsFaultEvent),
+        "dcmi_event": describe(DcmiEvent),
+    }
+    assert layout["dcmi_dms_fault_event"]["size"] == 352
+    assert layout["dcmi_event"] == {"size": 360, "type": 0, "event_t": 8}

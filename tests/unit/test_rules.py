@@ -1,0 +1,104 @@
+"""Rule files: the real tables of the device plugin, and clear errors for bad ones."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agent.errors import ConfigError
+from agent.faults.codes import load_fault_code_table, parse_fault_code_table
+from agent.faults.customization import NEVER_RELEASE_S, load_customization, parse_customization
+from agent.faults.levels import Level
+
+
+def test_the_device_plugins_fault_code_table_loads(reference_dir):
+    table = load_fault_code_table(str(reference_dir / "faultCode.json"))
+    assert len(table) == 802  # 804 entries, 802 distinct codes
+    assert table.lookup(0xA2301001) is Level.SeparateNPU  # in RestartBusiness and Separate
+    assert table.lookup(0x80E18005) is Level.RestartNPU
+    assert table.lookup(0x80E18402) is Level.SeparateNPU
+    assert table.lookup(0x40F84E00) is Level.RestartNPU
+    assert table.lookup(0x81078603) is Level.NotHandleFault
+    assert table.spell(0x020001002) == "020001002"
+    assert any("A2301001" in w for w in table.warnings)
+
+
+def test_the_device_plugins_customization_loads(reference_dir):
+    rules = load_customization(str(reference_dir / "faultCustomization.json"))
+    assert rules.frequency[0x80E18005].times == 3
+    assert rules.frequency[0x80E18005].level is Level.ManuallySeparateNPU
+    assert rules.frequency[0x80E18005].release_s == NEVER_RELEASE_S
+    assert rules.frequency[0x81078603].release_s == 172800
+    assert len(rules.frequency) == 43
+    assert rules.duration[0x81078603].fault_timeout_s == 20
+    assert rules.grace_tolerance["WaitDeviceResetTime"] == 150
+
+
+def test_the_built_in_table_loads():
+    table = load_fault_code_table("")
+    assert table.lookup(0x80E18402) is Level.SeparateNPU
+    assert table.warnings == ()
+
+
+@pytest.mark.parametrize("document,message", [
+    ([], "expected a JSON object"),
+    ({"SeperateNPUCodes": ["80E18402"]}, "SeperateNPUCodes: unknown key"),
+    ({"SeparateNPUCodes": "80E18402"}, "SeparateNPUCodes: expected a list"),
+    ({"SeparateNPUCodes": ["80E1840G"]}, "SeparateNPUCodes[0]: '80E1840G' is not a hexadecimal fault code"),
+    ({"SeparateNPUCodes": [12]}, "SeparateNPUCodes[0]: 12 is not a string"),
+])
+def test_bad_fault_code_tables_name_the_file_and_the_problem(document, message):
+    with pytest.raises(ConfigError) as info:
+        parse_fault_code_table(document, "/etc/faultCode.json")
+    assert any(p.startswith("/etc/faultCode.json: ") and message in p for p in info.value.problems), info.value.problems
+
+
+def test_unreadable_and_malformed_files(tmp_path):
+    broken = tmp_path / "faultCode.json"
+    broken.write_text('{"SeparateNPUCodes": [')
+    with pytest.raises(ConfigError, match=r"faultCode.json: invalid JSON at line 1"):
+        load_fault_code_table(str(broken))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_customization(str(tmp_path / "missing.json"))
+
+
+def rule(**fields):
+    base = {"EventId": ["80E18005"], "TimeWindow": 3600, "Times": 3, "FaultHandling": "ManuallySeparateNPU"}
+    base.update(fields)
+    return {"FaultFrequency": [base]}
+
+
+@pytest.mark.parametrize("document,message", [
+    (rule(TimeWindow=59), "FaultFrequency[0].TimeWindow: 59 is out of range (allowed range 60..864000)"),
+    (rule(TimeWindow=864001), "allowed range 60..864000"),
+    (rule(Times=0), "FaultFrequency[0].Times: 0 is out of range (allowed range 1..100)"),
+    (rule(Times=101), "allowed range 1..100"),
+    (rule(ReleaseTimeWindow=59), "ReleaseTimeWindow: 59 is out of range (allowed range 60..4294967296)"),
+    (rule(FaultHandling="SeparateNPU"), "ReleaseTimeWindow: required when FaultHandling is SeparateNPU"),
+    (rule(FaultHandling="Broken"), "FaultHandling: 'Broken' is not allowed here"),
+    (rule(Times="3"), "Times: '3' is not an integer"),
+    (rule(EventId=[]), "EventId: expected a non-empty list"),
+    (rule(Extra=1), "FaultFrequency[0].Extra: unknown key"),
+    ({"FaultDuration": [{"EventId": ["81078603"], "FaultTimeout": 601, "RecoverTimeout": 60,
+                         "FaultHandling": "PreSeparateNPU"}]}, "FaultTimeout: 601 is out of range (allowed range 0..600)"),
+    ({"FaultDuration": [{"EventId": ["81078603"], "FaultTimeout": 20, "RecoverTimeout": 86401,
+                         "FaultHandling": "PreSeparateNPU"}]}, "allowed range 0..86400"),
+    ({"FaultDuration": [{"EventId": ["81078603"], "FaultTimeout": 20, "RecoverTimeout": 60,
+                         "FaultHandling": "ManuallySeparateNPU"}]}, "'ManuallySeparateNPU' is not allowed here"),
+    ({"GraceTolerance": {"WaitDeviceResetTime": 200}}, "GraceTolerance.WaitDeviceResetTime: 200 is out of range (allowed range 60..180)"),
+    ({"Unknown": []}, "Unknown: unknown key"),
+])
+def test_out_of_range_customization_is_rejected_with_the_allowed_range(document, message):
+    with pytest.raises(ConfigError) as info:
+        parse_customization(document, "custom.json")
+    assert any(message in p for p in info.value.problems), info.value.problems
+
+
+def test_the_first_rule_for_a_code_wins():
+    rules = parse_customization({"FaultFrequency": [
+        rule()["FaultFrequency"][0],
+        {"EventId": ["80E18005"], "TimeWindow": 60, "Times": 1, "FaultHandling": "SubHealthFault",
+         "ReleaseTimeWindow": 60}]}, "c")
+    assert rules.frequency[0x80E18005].times == 3
+    assert any("repeats 80E18005" in w for w in rules.warnings)
