@@ -1,0 +1,144 @@
+"""The command line and the fault stream, end to end on the simulated backend."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from agent._proto import npu_agent_faults_pb2 as pb
+from agent._proto import npu_agent_faults_pb2_grpc as pb_grpc
+from tests.integration.harness import REPO, AgentProcess, wait_until
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agent", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def simulated_agent(tmp_path, steps: list[dict]) -> AgentProcess:
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text(yaml.safe_dump({"steps": steps}))
+    return AgentProcess(tmp_path, {"devices": {"backend": "simulated", "poll_interval_seconds": 1,
+                                               "simulated": {"devices": 4, "scenario": str(scenario)}}}).start()
+
+
+def test_stream_snapshot_changes_resume_and_health(tmp_path):
+    agent = simulated_agent(tmp_path, [
+        {"at": 0.5, "device": 2, "action": "occur", "code": "80E18402", "severity": 3},
+        {"at": 1.5, "device": 1, "action": "occur", "code": "80C98009"},
+        {"at": 2.5, "device": 1, "action": "recover", "code": "80C98009"},
+    ])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{agent.grpc_port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            stub = pb_grpc.NodeFaultsStub(channel)
+            stream = stub.Watch(pb.WatchRequest(keepalive_seconds=1), timeout=30)
+            first = next(stream)
+            assert first.WhichOneof("kind") == "snapshot" and first.snapshot.node == "test-node"
+            epoch, seen = first.snapshot.epoch, first.snapshot.revision
+            levels = {}
+            for message in stream:  # follow until device 1 has come and gone
+                if message.WhichOneof("kind") == "change":
+                    assert message.change.revision == seen + 1  # no gaps, no repeats
+                    seen = message.change.revision
+                    levels.setdefault(message.change.device.device, []).append(message.change.device.level)
+                    if levels.get(1, [])[-1:] == ["NormalNPU"] and "RestartRequest" in levels.get(1, []):
+                        break
+            stream.cancel()
+            assert "SeparateNPU" in levels[2]
+            # Resume from an earlier revision: exactly the changes after it, then keepalives.
+            resumed = stub.Watch(pb.WatchRequest(epoch=epoch, since_revision=seen - 2, keepalive_seconds=1), timeout=30)
+            kinds = [next(resumed) for _ in range(3)]
+            resumed.cancel()
+            assert [m.change.revision for m in kinds[:2]] == [seen - 1, seen]
+            assert kinds[2].WhichOneof("kind") == "keepalive"
+            state = stub.GetFaults(pb.GetFaultsRequest(), timeout=5)
+            assert [d.level for d in state.devices] == ["NormalNPU", "NormalNPU", "SeparateNPU", "NormalNPU"]
+
+        text = cli("faults", "--target", f"127.0.0.1:{agent.grpc_port}")
+        assert text.returncode == 0
+        assert "1 of 4 devices with faults" in text.stdout and "80E18402 SeparateNPU" in text.stdout
+        listed = [json.loads(line) for line in cli("faults", "--json", "--target", f"127.0.0.1:{agent.grpc_port}").stdout.splitlines()]
+        assert [(f["device"], f["codes"], f["level"]) for f in listed] == [(2, ["80E18402"], "SeparateNPU")]
+        assert set(listed[0]) >= {"node", "device", "logic_id", "codes", "level", "since_ms", "revision"}
+    finally:
+        assert agent.stop() < 10
+
+
+def test_faults_follow_prints_changes(tmp_path):
+    agent = simulated_agent(tmp_path, [{"at": 2, "device": 3, "action": "occur", "code": "80E18005"}])
+    try:
+        follower = subprocess.Popen([sys.executable, "-m", "agent", "faults", "--json", "--follow", "--target",
+                                     f"127.0.0.1:{agent.grpc_port}"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        line = json.loads(follower.stdout.readline())
+        assert (line["device"], line["level"], line["codes"]) == (3, "RestartNPU", ["80E18005"])
+        follower.terminate()
+        follower.wait(5)
+    finally:
+        agent.stop()
+
+
+def test_faults_reports_an_unreachable_agent_in_one_line():
+    result = cli("faults", "--target", "127.0.0.1:1", "--timeout", "0.5")
+    assert result.returncode == 1
+    assert result.stderr.strip().count("\n") == 0 and "cannot reach" in result.stderr
+
+
+def test_check_config(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("devices: {backend: simulated}\n")
+    assert cli("check-config", str(good)).returncode == 0
+    bad = tmp_path / "bad.yaml"
+    (tmp_path / "custom.json").write_text(json.dumps({"FaultFrequency": [
+        {"EventId": ["80E18005"], "TimeWindow": 10, "Times": 3, "FaultHandling": "ManuallySeparateNPU"}]}))
+    bad.write_text(yaml.safe_dump({"devices": {"poll_interval": 5},
+                                   "faults": {"customization_file": str(tmp_path / "custom.json")}}))
+    result = cli("check-config", str(bad))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert any(line.startswith("devices.poll_interval: unknown key") for line in lines)
+    assert "Traceback" not in result.stderr
+    bad.write_text(yaml.safe_dump({"faults": {"customization_file": str(tmp_path / "custom.json")}}))
+    result = cli("check-config", str(bad))
+    assert result.returncode == 2
+    assert "custom.json: FaultFrequency[0].TimeWindow: 10 is out of range (allowed range 60..864000)" in result.stderr
+
+
+def test_run_with_a_bad_config_exits_2_with_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpc: {listen: nowhere}\n")
+    result = cli("run", "--config", str(bad))
+    assert result.returncode == 2
+    assert result.stderr.strip() == "npu-node-agent: grpc.listen: 'nowhere' is not HOST:PORT"
+
+
+def test_version():
+    result = cli("version")
+    assert result.returncode == 0 and result.stdout.startswith("npu-node-agent 0.1.0")
+
+
+def test_demo_shows_faults_appearing_escalating_and_clearing(tmp_path):
+    started = time.monotonic()
+    result = cli("demo", "--duration", "22", "--workdir", str(tmp_path / "demo"), timeout=90)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "http://127.0.0.1:" in out and "/metrics" in out and "npu-node-agent faults --target" in out
+    assert "NPU1 unhealthy SeparateNPU" in out  # appearing
+    assert "80E18005 ManuallySeparateNPU by FaultFrequency" in out  # escalating by frequency
+    assert "81078603 PreSeparateNPU by FaultDuration" in out  # escalating by duration
+    assert "NPU3 healthy   NormalNPU" in out  # clearing (found and cleared by polling)
+    assert time.monotonic() - started < 40
+    assert (tmp_path / "demo" / "config.yaml").is_file()
+    assert cli("check-config", str(tmp_path / "demo" / "config.yaml")).returncode == 0
+
+
+def test_generated_stubs_are_up_to_date():
+    result = subprocess.run([sys.executable, "proto/generate.py", "--check"], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

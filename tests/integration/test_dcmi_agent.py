@@ -1,0 +1,198 @@
+"""The real `npu-node-agent run` against a fake libdcmi.so built from C (same ABI, loaded by dlopen)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.devices import dcmi_abi as abi
+from tests.fakes.dcmi import FakeDcmiControl, build_fake_dcmi
+from tests.integration.harness import AgentProcess, wait_until
+
+DEADLINE = 2.0  # faults must show in /metrics and `faults --json` within this
+CARDS = 8  # the fake's physical id is CARDS-1-logic
+
+
+def phy(logic: int) -> int:
+    return CARDS - 1 - logic
+
+
+@pytest.fixture(scope="session")
+def fake_libs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fake-dcmi")
+    build_fake_dcmi(out, "full")
+    build_fake_dcmi(out, "no_subscribe")
+    return out
+
+
+@pytest.fixture
+def short_dir():
+    # Unix socket paths must stay under 108 bytes, so keep the control socket out of pytest's long paths.
+    path = Path(tempfile.mkdtemp(prefix="npa-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def start_agent(fake_libs, short_dir, tmp_path):
+    agents: list[AgentProcess] = []
+
+    def start(devices: dict | None = None, faults: dict | None = None, variant: str = "full",
+              library: str | None = None, wait_ready: bool = True) -> tuple[AgentProcess, FakeDcmiControl]:
+        lib = library if library is not None else str(fake_libs / variant / "libdcmi.so")
+        config = {"devices": {"backend": "dcmi", "dcmi_library": lib, "poll_interval_seconds": 30,
+                              "call_timeout_seconds": 0.5, **(devices or {})},
+                  "faults": faults or {}}
+        env = {"FAKE_DCMI_CONTROL": str(short_dir / "ctl.sock"), "FAKE_DCMI_CARDS": str(CARDS)}
+        agent = AgentProcess(tmp_path, config, env).start()
+        agents.append(agent)
+        control = None
+        if wait_ready:
+            wait_until(lambda: agent.http("/readyz")[0] == 200, 10, "/readyz 200")
+            control = FakeDcmiControl(short_dir / "ctl.sock").connect()
+        return agent, control
+
+    yield start
+    for agent in agents:
+        agent.stop()
+
+
+def visible(agent: AgentProcess, logic: int, code: str, level: str) -> bool:
+    """The fault is in /metrics and in `faults --json` with the expected level."""
+    if agent.metric("npu_agent_device_fault", id=phy(logic), fault_code=code, fault_level=level) != 1:
+        return False
+    fault = agent.fault_of(phy(logic))
+    return bool(fault and code in fault["codes"] and fault["level"] == level and fault["logic_id"] == logic)
+
+
+def cleared(agent: AgentProcess, logic: int) -> bool:
+    return agent.fault_of(phy(logic)) is None and agent.metric("npu_agent_device_fault_level", id=phy(logic)) == 0
+
+
+def test_event_fault_appears_within_2s_and_recovers(start_agent):
+    agent, fake = start_agent()  # polling every 30 s: only the event can be this fast
+    assert agent.metric("machine_npu_nums") == CARDS
+    assert agent.metric("npu_chip_info_health_status", id=phy(2), model_name="910B3-Ascend-V1") == 1
+
+    fake.occur(2, 0x80E18402, severity=3)
+    started = time.monotonic()
+    wait_until(lambda: visible(agent, 2, "80E18402", "SeparateNPU"), DEADLINE, "event fault on /metrics and faults --json")
+    assert time.monotonic() - started < DEADLINE
+    fault = agent.fault_of(phy(2))
+    assert fault["node"] == "test-node" and fault["since_ms"] > 0 and fault["revision"] > 0
+    assert agent.metric("npu_agent_device_fault_level", id=phy(2)) == 8
+    assert agent.metric("npu_agent_fault_events_total", assertion="occur") >= 1
+
+    fake.recover(2, 0x80E18402)
+    wait_until(lambda: cleared(agent, 2), DEADLINE, "recovery (1 s confirmation poll included)")
+    assert agent.metric("npu_chip_info_health_status", id=phy(2), model_name="910B3-Ascend-V1") == 1
+
+
+def test_fault_without_event_is_found_by_polling(start_agent):
+    agent, fake = start_agent(devices={"poll_interval_seconds": 1})
+    fake.occur(0, 0x80C98009, via="silent")  # the driver lists the code but sends no event
+    wait_until(lambda: visible(agent, 0, "80C98009", "RestartRequest"), DEADLINE, "polled fault")
+    fake.recover(0, 0x80C98009, via="silent")
+    wait_until(lambda: cleared(agent, 0), DEADLINE, "polled recovery")
+
+
+def test_dropped_card_reports_the_card_drop_code(start_agent):
+    agent, fake = start_agent(devices={"poll_interval_seconds": 1})
+    fake.drop(1)
+    wait_until(lambda: visible(agent, 1, "40F84E00", "RestartNPU"), DEADLINE, "card drop")
+    assert agent.metric("npu_chip_info_health_status", id=phy(1), model_name="910B3-Ascend-V1") == 0
+    fake.restore(1)
+    wait_until(lambda: cleared(agent, 1), DEADLINE, "card back")
+
+
+def test_hung_driver_call_makes_devices_unknown_not_the_agent(start_agent):
+    agent, fake = start_agent(devices={"poll_interval_seconds": 1})
+    fake.occur(3, 0x80E18005)
+    wait_until(lambda: visible(agent, 3, "80E18005", "RestartNPU"), DEADLINE, "fault before the hang")
+    fake.hang("dcmi_get_device_health", 60)
+    wait_until(lambda: agent.metric("npu_chip_info_health_status", id=phy(0), model_name="910B3-Ascend-V1") == -1,
+               DEADLINE + 1, "health -1 while the driver hangs")
+    # The agent still answers, quickly, and keeps the last known faults.
+    started = time.monotonic()
+    assert agent.http("/healthz")[0] == 200
+    assert visible(agent, 3, "80E18005", "RestartNPU")
+    assert time.monotonic() - started < 1.5
+    assert agent.metric("npu_agent_driver_call_timeouts_total") >= 1
+    agent.wait_for_log("device read failed; its last known faults stay", device=phy(0))
+    fake.hang("dcmi_get_device_health", 0)
+    wait_until(lambda: agent.metric("npu_chip_info_health_status", id=phy(0), model_name="910B3-Ascend-V1") == 1,
+               DEADLINE + 1, "health back after the hang")
+
+
+def test_real_tables_escalate_and_the_escalation_survives_a_restart(start_agent, reference_dir):
+    faults = {"fault_code_file": str(reference_dir / "faultCode.json"),
+              "customization_file": str(reference_dir / "faultCustomization.json")}
+    agent, fake = start_agent(devices={"poll_interval_seconds": 1}, faults=faults)
+    for _ in range(3):  # 80E18005: 3 times in 24 h -> ManuallySeparateNPU
+        fake.occur(4, 0x80E18005)
+        wait_until(lambda: agent.fault_of(phy(4)), DEADLINE, "occurrence seen")
+        fake.recover(4, 0x80E18005)
+        wait_until(lambda: (agent.fault_of(phy(4)) or {}).get("level") in (None, "ManuallySeparateNPU"),
+                   DEADLINE + 1, "recovery or escalation")
+    wait_until(lambda: visible(agent, 4, "80E18005", "ManuallySeparateNPU"), DEADLINE, "frequency escalation")
+    assert agent.fault_of(phy(4))["escalated"] == {"80E18005": "FaultFrequency"}
+    assert agent.stop() < 10
+
+    fake.close()
+    restarted, _ = start_agent(devices={"poll_interval_seconds": 1}, faults=faults)
+    wait_until(lambda: visible(restarted, 4, "80E18005", "ManuallySeparateNPU"), DEADLINE,
+               "escalation restored from state_dir after the restart")
+
+
+def test_polling_alone_works_without_the_subscribe_symbol(start_agent):
+    agent, fake = start_agent(devices={"poll_interval_seconds": 1}, variant="no_subscribe")
+    agent.wait_for_log("fault events unavailable; relying on polling")
+    assert agent.metric("npu_agent_driver_events_subscribed") == 0
+    fake.occur(5, 0x80E18402)
+    wait_until(lambda: visible(agent, 5, "80E18402", "SeparateNPU"), DEADLINE, "fault found by polling")
+
+
+def test_missing_library_keeps_the_agent_up_and_not_ready(start_agent, tmp_path):
+    agent, _ = start_agent(library=str(tmp_path / "nowhere" / "libdcmi.so"), wait_ready=False)
+    status, body = wait_until(lambda: (lambda r: r if r[0] == 503 and "devices" in r[1] else None)(agent.http("/readyz")),
+                              5, "readyz 503")
+    assert "no such file" in body
+    assert agent.http("/healthz")[0] == 200
+    assert agent.metric("npu_agent_component_ready", component="devices") == 0
+    agent.wait_for_log("devices unavailable; retrying")
+
+
+def test_rule_files_reload_at_runtime_and_a_bad_one_keeps_the_old_rules(start_agent, tmp_path):
+    table = tmp_path / "faultCode.json"
+    table.write_text(json.dumps({"NotHandleFaultCodes": ["12345678"]}))
+    agent, fake = start_agent(devices={"poll_interval_seconds": 1}, faults={"fault_code_file": str(table)})
+    fake.occur(6, 0x12345678, severity=3)
+    wait_until(lambda: visible(agent, 6, "12345678", "NotHandleFault"), DEADLINE, "fault with the first table")
+    table.write_text(json.dumps({"SeparateNPUCodes": ["12345678"]}))
+    wait_until(lambda: visible(agent, 6, "12345678", "SeparateNPU"), 5, "reclassified after the reload")
+    table.write_text('{"SeparateNPUCodes": [')
+    agent.wait_for_log("fault rule reload failed; the previous rules stay in force", timeout=5)
+    assert visible(agent, 6, "12345678", "SeparateNPU")
+    status, body = agent.http("/readyz")
+    assert status == 503 and "invalid JSON" in body
+    assert agent.metric("npu_agent_fault_rule_reloads_total", result="failure") == 1
+
+
+def test_struct_layouts_match_the_c_compiler(fake_libs):
+    lib = ctypes.CDLL(str(fake_libs / "full" / "libdcmi.so"))
+    lib.fake_dcmi_layout.restype = ctypes.c_char_p
+    layout = json.loads(lib.fake_dcmi_layout())
+    # Sizes from the DCMI header, and the compiler's own view of every field.
+    expected_sizes = {"dcmi_dms_fault_event": 352, "dcmi_event": 360, "dcmi_event_filter": 48, "dcmi_chip_info": 100}
+    for name, cls in {"dcmi_dms_fault_event": abi.DmsFaultEvent, "dcmi_event": abi.Event,
+                      "dcmi_event_filter": abi.EventFilter, "dcmi_chip_info": abi.ChipInfo}.items():
+        assert ctypes.sizeof(cls) == layout[name]["size"] == expected_sizes[name], name
+        for field, offset in layout[name].items():
+            if field != "size":
+                assert getattr(cls, field).offset == offset, f"{name}.{field}"
