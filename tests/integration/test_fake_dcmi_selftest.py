@@ -19,58 +19,9 @@ OK, INVALID_PARAM, NOT_READY, NOT_INIT = 0, -8001, -8012, -8020
 CODE_A, CODE_B, CODE_C = 0x80E01801, 0x8C2FA009, 0xA8028802
 
 
-class ChipInfo(ctypes.Structure):
-    _fields_ = [
-        ("chip_type", ctypes.c_ubyte * 32),
-        ("chip_name", ctypes.c_ubyte * 32),
-        ("chip_ver", ctypes.c_ubyte * 32),
-        ("aicore_cnt", ctypes.c_uint),
-    ]
-
-
-class EventFilter(ctypes.Structure):
-    _fields_ = [
-        ("filter_flag", ctypes.c_ulonglong),
-        ("event_id", ctypes.c_uint),
-        ("severity", ctypes.c_ubyte),
-        ("node_type", ctypes.c_ubyte),
-        ("resv", ctypes.c_ubyte * 32),
-    ]
-
-
-class DmsFaultEvent(ctypes.Structure):
-    _fields_ = [
-        ("event_id", ctypes.c_uint),
-        ("deviceid", ctypes.c_ushort),
-        ("node_type", ctypes.c_ubyte),
-        ("node_id", ctypes.c_ubyte),
-        ("sub_node_type", ctypes.c_ubyte),
-        ("sub_node_id", ctypes.c_ubyte),
-        ("severity", ctypes.c_ubyte),
-        ("assertion", ctypes.c_ubyte),
-        ("event_serial_num", ctypes.c_int),
-        ("notify_serial_num", ctypes.c_int),
-        ("alarm_raised_time", ctypes.c_ulonglong),
-        ("event_name", ctypes.c_char * 256),
-        ("additional_info", ctypes.c_char * 32),
-        ("os_id", ctypes.c_ubyte),
-        ("resv_1", ctypes.c_ubyte * 1),
-        ("node_type_ex", ctypes.c_ushort),
-        ("sub_node_type_ex", ctypes.c_ushort),
-        ("resv_2", ctypes.c_ubyte * 2),
-        ("resv", ctypes.c_ubyte * 24),
-    ]
-
-
-class EventUnion(ctypes.Union):
-    _fields_ = [("dms_event", DmsFaultEvent)]
-
-
-class DcmiEvent(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("event_t", EventUnion)]
-
-
-CALLBACK = ctypes.CFUNCTYPE(None, ctypes.POINTER(DcmiEvent))
+# The product's ctypes definitions; their layout is checked against the C compiler in test_dcmi_agent.py.
+from agent.devices.dcmi_abi import EVENT_CALLBACK as CALLBACK  # noqa: E402
+from agent.devices.dcmi_abi import ChipInfo, DmsFaultEvent, EventFilter  # noqa: E402
 _KEEPALIVE: list = []  # the library keeps callback pointers until process exit
 
 P = ctypes.POINTER
@@ -407,19 +358,3 @@ def test_no_subscribe_variant_lacks_symbol(make_fake):
     assert "dcmi_subscribe_fault_event" not in fake.ctl.stats()["calls"]
     fake.ctl.occur(0, CODE_A)  # events with no subscribers are fine
     assert error_codes(fake.lib, 0) == (OK, [CODE_A])
-
-
-def test_layout_matches_ctypes(fake):
-    layout = json.loads(fake.lib.fake_dcmi_layout())
-
-    def describe(cls) -> dict:
-        return {"size": ctypes.sizeof(cls), **{n: getattr(cls, n).offset for n, _ in cls._fields_}}
-
-    assert layout == {
-        "dcmi_chip_info": describe(ChipInfo),
-        "dcmi_event_filter": describe(EventFilter),
-        "dcmi_dms_fault_event": describe(DmsFaultEvent),
-        "dcmi_event": describe(DcmiEvent),
-    }
-    assert layout["dcmi_dms_fault_event"]["size"] == 352
-    assert layout["dcmi_event"] == {"size": 360, "type": 0, "event_t": 8}

@@ -103,9 +103,9 @@ class FakeDcmiControl:
         """Send one command; return the text after "ok"."""
         if self._sock is None:
             raise RuntimeError("FakeDcmiControl is not connected; call connect() first")
-        line = " ".join(str(p) for p in parts)
         if any(c.isspace() for p in parts for c in str(p)):
             raise ValueError(f"whitespace inside a command argument: {parts!r}")
+        line = " ".join(str(p) for p in parts)
         self._sock.sendall(line.encode() + b"\n")
         while b"\n" not in self._buf:
             chunk = self._sock.recv(4096)
