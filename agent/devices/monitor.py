@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Protocol
 
 from agent.devices.base import BackendError, DeviceBackend, DeviceInfo, DriverEvent, Reading
+from agent.devices.pool import DaemonPool
 from agent.faults.codes import RESET_FINISH_CODE
 from agent.faults.engine import Health
 
@@ -67,7 +67,7 @@ class DeviceMonitor:
         self._clock = clock
         self._open_retry_s = open_retry_s
         self._bucket = TokenBucket(event_rate_per_minute, time.monotonic)
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: DaemonPool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._main: asyncio.Task | None = None
         self._stuck: set[str] = set()  # calls still blocked in the driver
@@ -87,7 +87,7 @@ class DeviceMonitor:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         # Threads are started on demand; the bound leaves room for every device to have one stuck call.
-        self._executor = ThreadPoolExecutor(max_workers=72, thread_name_prefix="driver")
+        self._executor = DaemonPool(max_threads=72, name="driver")
         self._main = asyncio.create_task(self._run(), name="device-monitor")
 
     async def stop(self) -> None:
@@ -103,7 +103,7 @@ class DeviceMonitor:
         except (CallTimeout, asyncio.TimeoutError):
             log.warning("driver close did not return in time")
         if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor.close()
 
     def readiness(self) -> tuple[bool, str]:
         if not self.devices:

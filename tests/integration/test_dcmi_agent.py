@@ -196,3 +196,10 @@ def test_struct_layouts_match_the_c_compiler(fake_libs):
         for field, offset in layout[name].items():
             if field != "size":
                 assert getattr(cls, field).offset == offset, f"{name}.{field}"
+
+
+def test_sigterm_while_a_driver_call_hangs_still_stops_within_10s(start_agent):
+    agent, fake = start_agent(devices={"poll_interval_seconds": 1})
+    fake.hang("dcmi_get_device_errorcode_v2", 600)
+    agent.wait_for_log("device read failed; its last known faults stay", timeout=5)
+    assert agent.stop() < 10
