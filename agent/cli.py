@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib.util
-import json
 import logging
 import platform
 import signal
@@ -121,6 +121,9 @@ async def serve(config: Config, stop: asyncio.Event | None = None, backend=None,
         log.error("cannot start", extra={"error": str(exc)})
         await agent.supervisor.stop()
         return EXIT_RUNTIME
+    # Everything built so far lives as long as the process: keep it out of the collector's full
+    # passes, which otherwise walk every gRPC and protobuf object (a ~65 ms pause on a small node).
+    gc.freeze()
     if on_started is not None:
         on_started(agent)
     await stop.wait()

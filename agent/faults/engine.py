@@ -94,7 +94,7 @@ class _Escalation:
     quiet_since_ms: int | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Device:
     phy_id: int
     logic_id: int
@@ -102,6 +102,7 @@ class _Device:
     tracks: dict[int, _Track] = field(default_factory=dict)
     occurrences: dict[int, list[int]] = field(default_factory=dict)  # code -> times counted by a frequency rule
     escalations: dict[int, _Escalation] = field(default_factory=dict)  # code -> frequency escalation
+    deadline_ms: int | None = None  # the next time something changes by time alone
 
 
 class FaultEngine:
@@ -121,10 +122,10 @@ class FaultEngine:
     def add_device(self, phy_id: int, logic_id: int, now_ms: int) -> list[DeviceState]:
         device = self._devices.get(phy_id)
         if device is None:
-            self._devices[phy_id] = _Device(phy_id, logic_id)
+            device = self._devices[phy_id] = _Device(phy_id, logic_id)
         else:
             device.logic_id = logic_id
-        return self._finish(now_ms)
+        return self._finish(now_ms, [device])
 
     def on_event(self, phy_id: int, code: int, assertion: Assertion, severity: int | None,
                  raised_ms: int | None, now_ms: int) -> list[DeviceState]:
@@ -132,7 +133,7 @@ class FaultEngine:
         device = self._devices.get(phy_id)
         if device is None:
             return []
-        self._advance(now_ms)
+        self._advance_device(device, now_ms)  # time-outs due before this input apply first
         if severity is not None:
             self._severity[code] = severity
         self.event_counts[assertion.name.lower()] += 1
@@ -142,7 +143,7 @@ class FaultEngine:
             self._recover(device, code, now_ms)
         else:
             self._once(device, code, raised_ms or now_ms, now_ms)
-        return self._finish(now_ms)
+        return self._finish(now_ms, [device])
 
     def on_reading(self, phy_id: int, codes: frozenset[int] | None, health: Health,
                    now_ms: int, started_ms: int | None = None) -> list[DeviceState]:
@@ -155,7 +156,7 @@ class FaultEngine:
         device = self._devices.get(phy_id)
         if device is None:
             return []
-        self._advance(now_ms)
+        self._advance_device(device, now_ms)
         device.health = health
         if codes is not None:
             # Mend lost events: what the driver lists is the truth about persistent codes.
@@ -168,12 +169,11 @@ class FaultEngine:
                 if track.active and code not in codes and (track.active_since_ms or 0) < started_ms:
                     self.event_counts["recover"] += 1
                     self._recover(device, code, now_ms)
-        return self._finish(now_ms)
+        return self._finish(now_ms, [device])
 
     def tick(self, now_ms: int) -> list[DeviceState]:
         """Apply what time alone changes (rule time-outs, release windows, one-off events ending)."""
-        self._advance(now_ms)
-        return self._finish(now_ms)
+        return self._finish(now_ms, [])
 
     def reconfigure(self, table: FaultCodeTable, customization: Customization,
                     now_ms: int) -> list[DeviceState]:
@@ -186,27 +186,11 @@ class FaultEngine:
                     track.duration_escalated = False
                     track.held_since_ms = None
                     self.history_dirty = True
-        self._advance(now_ms)
-        return self._finish(now_ms)
+        return self._finish(now_ms, list(self._devices.values()))
 
     def next_deadline_ms(self) -> int | None:
         """The earliest time at which `tick` would change something, if any."""
-        deadlines: list[int] = []
-        for device in self._devices.values():
-            for code, track in device.tracks.items():
-                if track.once_until_ms is not None:
-                    deadlines.append(track.once_until_ms)
-                rule = self.rules.duration.get(code)
-                if rule is None:
-                    continue
-                if track.active and not track.duration_escalated and track.active_since_ms is not None:
-                    deadlines.append(track.active_since_ms + rule.fault_timeout_s * 1000)
-                if track.duration_escalated and track.held_since_ms is not None:
-                    deadlines.append(track.held_since_ms + rule.recover_timeout_s * 1000)
-            for escalation in device.escalations.values():
-                if escalation.quiet_since_ms is not None and escalation.release_s < NEVER_RELEASE_S:
-                    deadlines.append(escalation.quiet_since_ms + escalation.release_s * 1000)
-        return min(deadlines, default=None)
+        return min((d.deadline_ms for d in self._devices.values() if d.deadline_ms is not None), default=None)
 
     # ---- outputs ------------------------------------------------------------------------------
 
@@ -254,8 +238,7 @@ class FaultEngine:
                 device.tracks[int(code_text, 16)] = _Track(
                     since_ms=int(item["since_ms"]), duration_escalated=True,
                     held_since_ms=now_ms if held is None else int(held))
-        self._advance(now_ms)
-        return self._finish(now_ms)
+        return self._finish(now_ms, list(self._devices.values()))
 
     # ---- the rules ----------------------------------------------------------------------------
 
@@ -303,38 +286,63 @@ class FaultEngine:
         if len(times) >= rule.times and code not in device.escalations:
             device.escalations[code] = _Escalation(rule.level, now_ms, rule.release_s)
 
-    def _advance(self, now_ms: int) -> None:
-        """Apply every time-out due at `now_ms`."""
-        for device in self._devices.values():
-            for code, track in device.tracks.items():
-                if track.once_until_ms is not None and now_ms >= track.once_until_ms:
-                    track.once_until_ms = None
-                rule = self.rules.duration.get(code)
-                if rule is None:
-                    continue
-                if (track.active and not track.duration_escalated and track.active_since_ms is not None
-                        and now_ms - track.active_since_ms >= rule.fault_timeout_s * 1000):
-                    track.duration_escalated = True
-                    self.history_dirty = True
-                    # With a duration rule, the frequency rule counts time-outs, not raw occurrences.
-                    self._count_occurrence(device, code, track.active_since_ms + rule.fault_timeout_s * 1000)
-                if (track.duration_escalated and track.held_since_ms is not None
-                        and now_ms - track.held_since_ms >= rule.recover_timeout_s * 1000):
-                    track.duration_escalated = False
-                    track.held_since_ms = None
-                    self.history_dirty = True
-            for code, escalation in list(device.escalations.items()):
-                if (escalation.quiet_since_ms is not None and escalation.release_s < NEVER_RELEASE_S
-                        and now_ms - escalation.quiet_since_ms >= escalation.release_s * 1000):
-                    del device.escalations[code]
-                    device.occurrences.pop(code, None)  # a released chip starts counting afresh
-                    self.history_dirty = True
+    def _advance_device(self, device: _Device, now_ms: int) -> None:
+        """Apply every time-out of `device` due at `now_ms`."""
+        if device.deadline_ms is None or now_ms < device.deadline_ms:
+            return
+        for code, track in device.tracks.items():
+            if track.once_until_ms is not None and now_ms >= track.once_until_ms:
+                track.once_until_ms = None
+            rule = self.rules.duration.get(code)
+            if rule is None:
+                continue
+            if (track.active and not track.duration_escalated and track.active_since_ms is not None
+                    and now_ms - track.active_since_ms >= rule.fault_timeout_s * 1000):
+                track.duration_escalated = True
+                self.history_dirty = True
+                # With a duration rule, the frequency rule counts time-outs, not raw occurrences.
+                self._count_occurrence(device, code, track.active_since_ms + rule.fault_timeout_s * 1000)
+            if (track.duration_escalated and track.held_since_ms is not None
+                    and now_ms - track.held_since_ms >= rule.recover_timeout_s * 1000):
+                track.duration_escalated = False
+                track.held_since_ms = None
+                self.history_dirty = True
+        for code, escalation in list(device.escalations.items()):
+            if (escalation.quiet_since_ms is not None and escalation.release_s < NEVER_RELEASE_S
+                    and now_ms - escalation.quiet_since_ms >= escalation.release_s * 1000):
+                del device.escalations[code]
+                device.occurrences.pop(code, None)  # a released chip starts counting afresh
+                self.history_dirty = True
 
-    def _finish(self, now_ms: int) -> list[DeviceState]:
-        """Apply time-outs, drop dead tracks, start or stop the quiet clocks of escalations, publish."""
-        self._advance(now_ms)  # a rule with a zero time-out fires together with the input that armed it
+    def _deadline(self, device: _Device) -> int | None:
+        deadlines: list[int] = []
+        for code, track in device.tracks.items():
+            if track.once_until_ms is not None:
+                deadlines.append(track.once_until_ms)
+            rule = self.rules.duration.get(code)
+            if rule is None:
+                continue
+            if track.active and not track.duration_escalated and track.active_since_ms is not None:
+                deadlines.append(track.active_since_ms + rule.fault_timeout_s * 1000)
+            if track.duration_escalated and track.held_since_ms is not None:
+                deadlines.append(track.held_since_ms + rule.recover_timeout_s * 1000)
+        for escalation in device.escalations.values():
+            if escalation.quiet_since_ms is not None and escalation.release_s < NEVER_RELEASE_S:
+                deadlines.append(escalation.quiet_since_ms + escalation.release_s * 1000)
+        return min(deadlines, default=None)
+
+    def _finish(self, now_ms: int, touched: list[_Device]) -> list[DeviceState]:
+        """Settle the touched devices and those with a time-out due, and return what changed.
+
+        Only those devices are looked at, so an input costs the same however many devices and
+        codes the node has.
+        """
+        due = [d for d in self._devices.values()
+               if d.deadline_ms is not None and d.deadline_ms <= now_ms and all(d is not t for t in touched)]
         changed = []
-        for device in self._devices.values():
+        for device in [*touched, *due]:
+            device.deadline_ms = self._deadline(device)
+            self._advance_device(device, now_ms)  # also fires a rule with a zero time-out armed just now
             for code in [c for c, t in device.tracks.items() if not t.alive]:
                 del device.tracks[code]
             for code, escalation in device.escalations.items():
@@ -345,6 +353,7 @@ class FaultEngine:
                 elif escalation.quiet_since_ms is None:
                     escalation.quiet_since_ms = now_ms
                     self.history_dirty = True
+            device.deadline_ms = self._deadline(device)
             state = self._render(device)
             if self._published.get(device.phy_id) != state:
                 self._published[device.phy_id] = state
