@@ -112,7 +112,11 @@ async def serve(config: Config, stop: asyncio.Event | None = None, backend=None,
     except OSError as exc:
         log.error("state_dir is not usable; escalation history will not survive a restart",
                   extra={"state_dir": config.state_dir, "error": str(exc)})
-    agent = build_agent(config, backend=backend)
+    try:
+        agent = build_agent(config, backend=backend)
+    except OSError as exc:
+        log.error("cannot open the fault log in state_dir", extra={"state_dir": config.state_dir, "error": str(exc)})
+        return EXIT_RUNTIME
     log.info("npu-node-agent starting", extra={"version": __version__, "node": config.node_name,
                                                 "backend": config.devices.backend})
     try:
@@ -130,6 +134,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None, backend=None,
     started = time.monotonic()
     log.info("stopping")
     await agent.supervisor.stop()
+    agent.fault_log.close()
     log.info("stopped", extra={"seconds": round(time.monotonic() - started, 3)})
     return EXIT_OK
 

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Protocol
 
 from agent.config import Config
@@ -15,6 +16,7 @@ from agent.devices.monitor import DeviceMonitor
 from agent.devices.scenario import load_scenario
 from agent.devices.simulated import SimulatedBackend
 from agent.faults.hub import FaultHub
+from agent.faults.log import FaultLog
 from agent.faults.service import FaultService
 from agent.grpc_server import GrpcServer
 from agent.http import HttpEndpoint
@@ -22,7 +24,8 @@ from agent.metrics import AgentCollector, make_registry
 
 log = logging.getLogger(__name__)
 
-STOP_BUDGET_S = 8.0  # SIGTERM to exit within 10 s, with room for the interpreter to wind down
+STOP_BUDGET_S = 8.0
+HUB_KEEP = 4096  # changes kept in memory for stream subscribers that resume  # SIGTERM to exit within 10 s, with room for the interpreter to wind down
 
 
 class Component(Protocol):
@@ -68,6 +71,7 @@ class Agent:
     config: Config
     supervisor: Supervisor
     hub: FaultHub
+    fault_log: FaultLog
     faults: FaultService
     monitor: DeviceMonitor
     http: HttpEndpoint
@@ -85,8 +89,11 @@ def make_backend(config: Config, clock: Callable[[], float] = time.time) -> Devi
 
 def build_agent(config: Config, backend: DeviceBackend | None = None,
                 clock: Callable[[], float] = time.time) -> Agent:
-    hub = FaultHub(config.node_name)
-    faults = FaultService(config.faults, config.state_dir, hub,
+    fault_log = FaultLog(Path(config.state_dir) / "faultlog")
+    fault_log.open()  # OSError: state_dir unusable, reported by the caller
+    recent = fault_log.changes_after(max(0, fault_log.revision - HUB_KEEP)) or []
+    hub = FaultHub(config.node_name, keep=HUB_KEEP, epoch=fault_log.epoch, history=recent, latest=fault_log.latest())
+    faults = FaultService(config.faults, config.state_dir, fault_log, hub,
                           once_hold_s=config.devices.poll_interval_seconds, clock=clock)
     monitor = DeviceMonitor(backend or make_backend(config, clock), faults,
                             poll_interval_s=config.devices.poll_interval_seconds,
@@ -98,4 +105,4 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
     http = HttpEndpoint(config.http.listen, make_registry(collector), supervisor.readiness)
     # Servers first, so /readyz and the stream answer while the driver is still being opened.
     supervisor.components = [http, grpc_server, faults, monitor]
-    return Agent(config, supervisor, hub, faults, monitor, http, grpc_server)
+    return Agent(config, supervisor, hub, fault_log, faults, monitor, http, grpc_server)

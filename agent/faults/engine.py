@@ -103,6 +103,7 @@ class _Device:
     occurrences: dict[int, list[int]] = field(default_factory=dict)  # code -> times counted by a frequency rule
     escalations: dict[int, _Escalation] = field(default_factory=dict)  # code -> frequency escalation
     deadline_ms: int | None = None  # the next time something changes by time alone
+    observed: bool = False  # published only once the driver (or the last known state) said something
 
 
 class FaultEngine:
@@ -127,6 +128,21 @@ class FaultEngine:
             device.logic_id = logic_id
         return self._finish(now_ms, [device])
 
+    def seed(self, phy_id: int, codes: list[tuple[int, int]], health: Health, now_ms: int) -> list[DeviceState]:
+        """Start from the last known state (after a restart): these (code, since_ms) are taken as
+        active until a reading says otherwise, so a driver that does not answer yet recovers nothing
+        and a code still present keeps its original start."""
+        device = self._devices.get(phy_id)
+        if device is None:
+            return []
+        for code, since_ms in codes:
+            track = device.tracks.setdefault(code, _Track(since_ms=since_ms))
+            track.since_ms = min(track.since_ms, since_ms)
+            track.active, track.active_since_ms = True, now_ms
+        device.health = health
+        device.observed = True
+        return self._finish(now_ms, [device])
+
     def on_event(self, phy_id: int, code: int, assertion: Assertion, severity: int | None,
                  raised_ms: int | None, now_ms: int) -> list[DeviceState]:
         """A driver fault event. `raised_ms` is the driver's own timestamp when it gave one."""
@@ -134,6 +150,7 @@ class FaultEngine:
         if device is None:
             return []
         self._advance_device(device, now_ms)  # time-outs due before this input apply first
+        device.observed = True
         if severity is not None:
             self._severity[code] = severity
         self.event_counts[assertion.name.lower()] += 1
@@ -157,6 +174,7 @@ class FaultEngine:
         if device is None:
             return []
         self._advance_device(device, now_ms)
+        device.observed = True
         device.health = health
         if codes is not None:
             # Mend lost events: what the driver lists is the truth about persistent codes.
@@ -354,6 +372,8 @@ class FaultEngine:
                     escalation.quiet_since_ms = now_ms
                     self.history_dirty = True
             device.deadline_ms = self._deadline(device)
+            if not device.observed:
+                continue  # nothing is known of it yet: saying "healthy" would be a guess
             state = self._render(device)
             if self._published.get(device.phy_id) != state:
                 self._published[device.phy_id] = state

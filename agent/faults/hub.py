@@ -1,9 +1,9 @@
-"""The fault hub: the node's current fault state, revisioned changes, and fan-out to subscribers.
+"""The fault hub: the node's current fault state and fan-out of revisioned changes to subscribers.
 
-Each published device state gets the next revision. The hub keeps the last `keep` changes so a
-subscriber that reconnects can resume; one that asks for more than that, or falls further behind
-than its queue allows, is given a fresh snapshot instead. A slow subscriber never blocks the
-publisher or the other subscribers.
+Revisions come from the durable fault log, so they continue across restarts within one epoch. The
+hub keeps the last `keep` changes so a subscriber that reconnects can resume; one that asks for
+more than that, or falls further behind than its queue allows, is given a fresh snapshot instead.
+A slow subscriber never blocks the publisher or the other subscribers.
 """
 
 from __future__ import annotations
@@ -75,27 +75,24 @@ class Subscription:
 
 
 class FaultHub:
-    def __init__(self, node: str, keep: int = 4096, queue_limit: int = 1024):
+    def __init__(self, node: str, keep: int = 4096, queue_limit: int = 1024, epoch: str = "",
+                 history: list[Change] = (), latest: dict[int, Change] | None = None):
         self.node = node
-        self.epoch = secrets.token_hex(8)  # a new epoch per process: revisions restart with it
-        self.revision = 0
-        self._latest: dict[int, Change] = {}
-        self._recent: deque[Change] = deque(maxlen=keep)
+        self.epoch = epoch or secrets.token_hex(8)  # revisions are comparable only within one epoch
+        self._latest: dict[int, Change] = dict(latest or {})
+        self._recent: deque[Change] = deque(history, maxlen=keep)
+        self.revision = max([0, *(c.revision for c in self._recent), *(c.revision for c in self._latest.values())])
         self._queue_limit = queue_limit
         self._subscribers: set[Subscription] = set()
         self.counters: Counter[str] = Counter()  # delivered / resynced, for metrics
 
-    def publish(self, states: list[DeviceState]) -> list[Change]:
-        changes = []
-        for state in states:
-            self.revision += 1
-            change = Change(self.revision, state)
-            self._latest[state.phy_id] = change
+    def publish(self, changes: list[Change]) -> None:
+        for change in changes:
+            self.revision = change.revision
+            self._latest[change.state.phy_id] = change
             self._recent.append(change)
-            changes.append(change)
             for subscriber in list(self._subscribers):
                 subscriber.push(change)
-        return changes
 
     def latest(self, phy_id: int) -> DeviceState | None:
         change = self._latest.get(phy_id)

@@ -19,7 +19,8 @@ from agent.errors import ConfigError
 from agent.faults.codes import FaultCodeTable, load_fault_code_table
 from agent.faults.customization import Customization, load_customization
 from agent.faults.engine import Assertion, DeviceState, EngineSettings, FaultEngine
-from agent.faults.hub import FaultHub
+from agent.faults.hub import Change, FaultHub
+from agent.faults.log import FaultLog
 from agent.faults.levels import Level
 from agent.fsutil import atomic_write, file_identity
 
@@ -48,11 +49,13 @@ def load_tables(config: FaultsConfig) -> tuple[FaultCodeTable, Customization]:
 class FaultService:
     name = "faults"
 
-    def __init__(self, config: FaultsConfig, state_dir: str, hub: FaultHub, *,
+    def __init__(self, config: FaultsConfig, state_dir: str, fault_log: FaultLog, hub: FaultHub, *,
                  once_hold_s: float, clock: Callable[[], float] = time.time, reload_interval_s: float = 2.0):
         self._config = config
         self._history_path = Path(state_dir) / HISTORY_FILE
+        self._log = fault_log
         self._hub = hub
+        self.listeners: list[Callable[[list[Change]], None]] = []  # sinks woken after each durable append
         self._clock = clock
         self._reload_interval_s = reload_interval_s
         self._table_error = ""
@@ -97,10 +100,18 @@ class FaultService:
     def on_inventory(self, devices: list[DeviceInfo]) -> None:
         now = self._now_ms()
         changes: list[DeviceState] = []
+        last_known = self._log.latest()
         for device in devices:
             changes += self.engine.add_device(device.phy_id, device.logic_id, now)
         if not self._history_loaded:
             self._history_loaded = True
+            # Start from what was known before the restart: a fault still present keeps its start,
+            # and a driver that does not answer yet does not make faults vanish.
+            for device in devices:
+                last = last_known.get(device.phy_id)
+                if last is not None:
+                    raw = [(c.code, c.since_ms) for c in last.state.codes if not c.escalated_by]
+                    changes += self.engine.seed(device.phy_id, raw, last.state.health, now)
             changes += self.engine.import_history(self._read_history(), now)
         self._publish(changes)
 
@@ -130,8 +141,18 @@ class FaultService:
                 "device": state.phy_id, "logic_id": state.logic_id, "fault_level": state.level.name,
                 "health": int(state.health), "codes": [f"{c.text}:{c.level.name}" + (f"({c.escalated_by})" if c.escalated_by else "")
                                                        for c in state.codes]})
-        if changes:
-            self._hub.publish(changes)
+        latest = {phy: change.state for phy, change in self._log.latest().items()}
+        fresh = [state for state in {s.phy_id: s for s in changes}.values() if latest.get(state.phy_id) != state]
+        if fresh:
+            try:
+                appended = self._log.append(fresh)
+            except OSError as exc:
+                # Nothing is lost yet: the engine still holds the state, the next change retries.
+                log.error("cannot write the fault log", extra={"error": str(exc)})
+                appended = []
+            self._hub.publish(appended)
+            for listener in self.listeners:
+                listener(appended)
         if self.engine.history_dirty:
             self._save_history()
         self._arm_timer()

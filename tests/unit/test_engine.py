@@ -38,9 +38,11 @@ RULES = parse_customization({
 }, "test rules")
 
 
-def engine(rules=RULES, **settings) -> FaultEngine:
+def engine(rules=RULES, observed=True, **settings) -> FaultEngine:
     e = FaultEngine(TABLE, rules, EngineSettings(**settings))
     e.add_device(4, 0, T0)
+    if observed:
+        e.on_reading(4, frozenset(), Health.HEALTHY, T0)
     return e
 
 
@@ -280,8 +282,10 @@ def test_escalation_history_survives_a_restart():
     history = e.export_history()
     assert not e.history_dirty
 
-    restarted = engine()
+    restarted = engine(observed=False)
     restarted.import_history(history, T0 + 40 * S)
+    assert restarted.state(4) is None  # nothing published before the driver said something
+    restarted.on_reading(4, frozenset(), Health.HEALTHY, T0 + 40 * S)
     assert codes(restarted) == {"80C98009": ("SeparateNPU", "FaultFrequency"),
                                 "81078603": ("PreSeparateNPU", "FaultDuration")}
     # The release clock kept its start (quiet since T0+30 s), the duration hold too.
@@ -320,3 +324,20 @@ def test_health_is_part_of_the_state():
     changes = e.on_reading(4, None, Health.UNKNOWN, T0)
     assert [c.health for c in changes] == [Health.UNKNOWN]
     assert e.on_reading(4, None, Health.UNKNOWN, T0 + S) == []
+
+
+def test_a_device_is_published_only_once_observed():
+    e = engine(observed=False)
+    assert e.states() == []
+    assert [c.level for c in e.on_reading(4, frozenset(), Health.HEALTHY, T0)] == [Level.NormalNPU]
+
+
+def test_seeded_codes_stay_until_a_reading_answers_and_keep_their_start():
+    e = engine(observed=False)
+    changes = e.seed(4, [(0x80E18402, T0 - 60 * S)], Health.UNHEALTHY, T0)
+    assert [(c.level, c.since_ms) for c in changes] == [(Level.SeparateNPU, T0 - 60 * S)]
+    assert e.on_reading(4, None, Health.UNKNOWN, T0 + S)[0].level is Level.SeparateNPU  # driver silent: kept
+    e.on_reading(4, frozenset({0x80E18402}), Health.UNHEALTHY, T0 + 2 * S)
+    assert e.state(4).since_ms == T0 - 60 * S and e.event_counts["occur"] == 0
+    e.on_reading(4, frozenset(), Health.HEALTHY, T0 + 3 * S)
+    assert e.state(4).level is Level.NormalNPU

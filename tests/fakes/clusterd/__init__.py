@@ -1,0 +1,5 @@
+"""Stand-in for ClusterD's public-fault gRPC API (/PubFault/SendPublicFault)."""
+
+from .server import DEFAULT_CONFIG, ClusterdStandIn, Received, StoredFault
+
+__all__ = ["ClusterdStandIn", "DEFAULT_CONFIG", "Received", "StoredFault"]

@@ -1,0 +1,634 @@
+"""A small in-process stand-in for the Kubernetes API server (core/v1 ConfigMaps and Pods).
+
+It speaks just enough of the REST protocol for the official ``kubernetes`` Python client
+(``CoreV1Api`` and ``kubernetes.watch.Watch``) to be pointed at it over a real socket:
+CRUD, list with label/field selectors, and watch streams with resourceVersion resume and
+410 expiry.  Standard library only, so it can run anywhere the tests run.
+
+Concurrency model: one Condition guards the whole state (objects, resourceVersion counter,
+event history).  Every write appends to a bounded history ring and notifies; each watch
+request runs in its own handler thread with a cursor into that history, so a slow watcher
+never blocks writers and falls off the end of the ring exactly as it would against etcd.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import re
+import secrets
+import socket
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+# kind <-> REST resource name.  Anything else is an unknown path (404), like a missing API.
+KINDS = {"ConfigMap": "configmaps", "Pod": "pods"}
+RESOURCES = {resource: kind for kind, resource in KINDS.items()}
+
+# Field selectors the real API server accepts for each resource (a subset).  An unsupported
+# field is a 400 there too, which keeps a typo in product code from silently matching everything.
+FIELDS = {
+    "configmaps": ("metadata.name", "metadata.namespace"),
+    "pods": ("metadata.name", "metadata.namespace", "spec.nodeName", "status.phase"),
+}
+
+REASONS = {
+    400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
+    405: "MethodNotAllowed", 409: "Conflict", 410: "Expired", 415: "UnsupportedMediaType",
+    422: "Invalid", 429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable",
+    504: "Timeout",
+}
+
+_MERGE_PATCH_TYPES = ("application/merge-patch+json", "application/strategic-merge-patch+json")
+_PATH = re.compile(r"^/api/v1/(?:namespaces/(?P<ns>[^/]+)/)?(?P<resource>[^/]+)(?:/(?P<name>[^/]+))?/?$")
+
+
+def _kind_of(kind_or_resource: str) -> str:
+    """Accept 'ConfigMap' or 'configmaps' from test code."""
+    if kind_or_resource in KINDS:
+        return kind_or_resource
+    if kind_or_resource in RESOURCES:
+        return RESOURCES[kind_or_resource]
+    raise ValueError(f"unsupported kind {kind_or_resource!r}; expected one of {sorted(KINDS)}")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def status_body(code: int, message: str, reason: str | None = None,
+                name: str | None = None, resource: str | None = None) -> dict:
+    """A metav1.Status failure, the body every API error carries."""
+    body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": message, "reason": reason or REASONS.get(code, "Unknown"), "code": code}
+    if name is not None or resource is not None:
+        body["details"] = {"name": name, "kind": resource}
+    return body
+
+
+class ApiError(Exception):
+    """Raised inside request handling; turned into a Status response."""
+
+    def __init__(self, code: int, message: str, reason: str | None = None,
+                 name: str | None = None, resource: str | None = None):
+        super().__init__(message)
+        self.body = status_body(code, message, reason, name, resource)
+        self.code = code
+
+
+def merge_patch(target, patch):
+    """RFC 7386 JSON merge patch.
+
+    Also used for strategic-merge-patch: for maps (ConfigMap data, labels, annotations) the two
+    agree; they differ only for lists with merge keys (e.g. pod containers), which a merge patch
+    replaces wholesale.
+    """
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+# ----------------------------------------------------------------------------- selectors
+
+def parse_label_selector(text: str | None):
+    """Equality-based label selector -> list of (op, key, value).  Set-based syntax is a 400."""
+    terms = []
+    for raw in (text or "").split(","):
+        term = raw.strip()
+        if not term:
+            continue
+        m = re.fullmatch(r"([\w./-]+)\s*(!=|==|=)\s*([\w.-]*)", term)
+        if m:
+            key, op, value = m.groups()
+            terms.append(("!=" if op == "!=" else "=", key, value))
+        elif re.fullmatch(r"!\s*[\w./-]+", term):
+            terms.append(("!exists", term[1:].strip(), None))
+        elif re.fullmatch(r"[\w./-]+", term):
+            terms.append(("exists", term, None))
+        else:
+            raise ApiError(400, f"unable to parse requirement: {term!r} (the stand-in supports "
+                                "k=v, k==v, k!=v, k and !k)")
+    return terms
+
+
+def parse_field_selector(text: str | None, resource: str):
+    terms = []
+    for raw in (text or "").split(","):
+        term = raw.strip()
+        if not term:
+            continue
+        m = re.fullmatch(r"([\w.]+)\s*(!=|==|=)\s*(.*)", term)
+        if not m:
+            raise ApiError(400, f"invalid field selector: {term!r}")
+        field, op, value = m.groups()
+        if field not in FIELDS[resource]:
+            raise ApiError(400, f'field label not supported: {field}')
+        terms.append(("!=" if op == "!=" else "=", field, value))
+    return terms
+
+
+def _field_value(obj: dict, dotted: str) -> str:
+    # Unset fields compare as "", as in the API server (so "spec.nodeName=" finds unscheduled pods).
+    value = obj
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return "" if value is None else str(value)
+
+
+def matches(obj: dict, labels, fields) -> bool:
+    obj_labels = (obj.get("metadata") or {}).get("labels") or {}
+    for op, key, value in labels:
+        if op == "exists" and key not in obj_labels:
+            return False
+        if op == "!exists" and key in obj_labels:
+            return False
+        # "!=" also matches objects without the label, as in Kubernetes.
+        if op == "=" and obj_labels.get(key) != value:
+            return False
+        if op == "!=" and obj_labels.get(key) == value:
+            return False
+    for op, field, value in fields:
+        if (_field_value(obj, field) == value) != (op == "="):
+            return False
+    return True
+
+
+# ----------------------------------------------------------------------------- state
+
+Event = collections.namedtuple("Event", "rv kind namespace obj prev")
+"""One write: obj is None for a deletion; prev is the object before the write (None on create)."""
+
+
+class _State:
+    """Objects, the global resourceVersion and the event history, under one Condition."""
+
+    def __init__(self, history: int):
+        self.cond = threading.Condition()
+        self.objects: dict[tuple[str, str, str], dict] = {}
+        self.rv = 0
+        self.history: collections.deque[Event] = collections.deque(maxlen=history)
+        # Every event with rv > floor is still in history; a watch from below floor is expired.
+        self.floor = 0
+        self.stopping = False
+
+    def _record(self, kind, namespace, obj, prev) -> None:
+        if len(self.history) == self.history.maxlen:
+            self.floor = self.history[0].rv  # about to be pushed out of the ring
+        self.history.append(Event(self.rv, kind, namespace, obj, prev))
+        self.cond.notify_all()
+
+    def write(self, obj: dict, *, create: bool, update: bool) -> dict:
+        """Store obj (already carrying kind/metadata.name/namespace); caller holds cond."""
+        kind, meta = obj["kind"], obj["metadata"]
+        key = (kind, meta["namespace"], meta["name"])
+        prev = self.objects.get(key)
+        resource = KINDS[kind]
+        if prev is None and not create:
+            raise ApiError(404, f'{resource} "{meta["name"]}" not found', name=meta["name"], resource=resource)
+        if prev is not None and not update:
+            raise ApiError(409, f'{resource} "{meta["name"]}" already exists', "AlreadyExists",
+                           name=meta["name"], resource=resource)
+        self.rv += 1
+        obj = copy.deepcopy(obj)
+        obj["apiVersion"] = "v1"
+        meta = obj["metadata"]
+        if prev is None:
+            meta["uid"] = str(uuid.uuid4())
+            meta["creationTimestamp"] = _now()
+        else:
+            # Identity survives updates; a client cannot rewrite it.
+            meta["uid"] = prev["metadata"]["uid"]
+            meta["creationTimestamp"] = prev["metadata"]["creationTimestamp"]
+        meta["resourceVersion"] = str(self.rv)
+        self.objects[key] = obj
+        self._record(kind, key[1], obj, prev)
+        return copy.deepcopy(obj)
+
+    def remove(self, kind: str, namespace: str, name: str) -> dict | None:
+        prev = self.objects.pop((kind, namespace, name), None)
+        if prev is None:
+            return None
+        self.rv += 1
+        self._record(kind, namespace, None, prev)
+        # The deleted object reports the deletion's resourceVersion, as the API server does.
+        gone = copy.deepcopy(prev)
+        gone["metadata"]["resourceVersion"] = str(self.rv)
+        return gone
+
+    def select(self, kind, namespace, labels=(), fields=()) -> list[dict]:
+        found = [o for (k, ns, _), o in self.objects.items()
+                 if k == kind and (namespace is None or ns == namespace) and matches(o, labels, fields)]
+        found.sort(key=lambda o: (o["metadata"]["namespace"], o["metadata"]["name"]))
+        return copy.deepcopy(found)
+
+
+def watch_event(event: Event, kind, namespace, labels, fields) -> dict | None:
+    """What a filtered watcher sees for one write, or None.
+
+    Mirrors the API server's watch cache: an object entering the selector shows up as ADDED,
+    one leaving it as DELETED (previous content, the write's resourceVersion).  This matters for
+    pods watched by spec.nodeName, which enter the selector when they are scheduled.
+    """
+    if event.kind != kind or (namespace is not None and event.namespace != namespace):
+        return None
+    now = event.obj is not None and matches(event.obj, labels, fields)
+    before = event.prev is not None and matches(event.prev, labels, fields)
+    if now:
+        return {"type": "MODIFIED" if before else "ADDED", "object": event.obj}
+    if before:
+        gone = copy.deepcopy(event.prev)
+        gone["metadata"]["resourceVersion"] = str(event.rv)
+        return {"type": "DELETED", "object": gone}
+    return None
+
+
+# ----------------------------------------------------------------------------- HTTP
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address, standin: "KubeStandIn"):
+        self.standin = standin
+        super().__init__(address, _Handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    # HTTP/1.1 so watches can use chunked transfer encoding and connections are kept alive
+    # between calls, as urllib3's pool expects.
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format, *args):  # noqa: A002 - keep pytest output clean
+        pass
+
+    def setup(self):
+        super().setup()
+        self.server.standin._track(self.connection, True)
+
+    def finish(self):
+        self.server.standin._track(self.connection, False)
+        super().finish()
+
+    def do_GET(self):
+        self._dispatch("GET")
+
+    def do_POST(self):
+        self._dispatch("POST")
+
+    def do_PUT(self):
+        self._dispatch("PUT")
+
+    def do_PATCH(self):
+        self._dispatch("PATCH")
+
+    def do_DELETE(self):
+        self._dispatch("DELETE")
+
+    def do_OPTIONS(self):
+        self._dispatch("OPTIONS")
+
+    # -- plumbing
+
+    def _send_json(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _read_body(self) -> bytes:
+        # Always drain the body, even for an injected failure, so a kept-alive connection stays in sync.
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def _dispatch(self, method: str) -> None:
+        standin = self.server.standin
+        standin._log(method, self.path)
+        raw = self._read_body()
+        try:
+            injected = standin._take_failure(method, self.path)
+            if injected:
+                raise ApiError(injected, f"injected failure ({injected}) for {method} {self.path}")
+            url = urlsplit(self.path)
+            query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
+            m = _PATH.match(url.path)
+            if not m or m["resource"] not in RESOURCES:
+                raise ApiError(404, f"the server could not find the requested resource ({url.path})")
+            ns, resource, name = m["ns"], m["resource"], m["name"]
+            if m["ns"] is None and name is not None:
+                # /api/v1/configmaps/x is not a thing; items always live under a namespace.
+                raise ApiError(404, f"the server could not find the requested resource ({url.path})")
+            body = None
+            if raw:
+                try:
+                    body = json.loads(raw)
+                except ValueError as exc:
+                    raise ApiError(400, f"invalid JSON body: {exc}") from None
+            if name is None:
+                self._collection(method, ns, resource, query, body)
+            else:
+                self._item(method, ns, resource, name, body)
+        except ApiError as err:
+            self._send_json(err.code, err.body)
+
+    # -- collections
+
+    def _collection(self, method, ns, resource, query, body):
+        kind = RESOURCES[resource]
+        if method == "GET":
+            labels = parse_label_selector(query.get("labelSelector"))
+            fields = parse_field_selector(query.get("fieldSelector"), resource)
+            if query.get("watch") in ("true", "1"):
+                return self._watch(kind, ns, labels, fields, query)
+            state = self.server.standin._state
+            with state.cond:
+                items, rv = state.select(kind, ns, labels, fields), state.rv
+            return self._send_json(200, {"kind": f"{kind}List", "apiVersion": "v1",
+                                         "metadata": {"resourceVersion": str(rv)}, "items": items})
+        if method == "POST" and ns is not None:
+            if not isinstance(body, dict):
+                raise ApiError(400, "request body must be a JSON object")
+            meta = body.setdefault("metadata", {})
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + secrets.token_hex(3)[:5]
+            if not meta.get("name"):
+                raise ApiError(400, "metadata.name: Required value: name or generateName is required",
+                               "Invalid")
+            meta["namespace"] = ns  # the path wins
+            body["kind"] = kind
+            state = self.server.standin._state
+            with state.cond:
+                stored = state.write(body, create=True, update=False)
+            return self._send_json(201, stored)
+        raise ApiError(405, f"{method} is not supported on {resource} collections by the stand-in")
+
+    # -- items
+
+    def _item(self, method, ns, resource, name, body):
+        kind = RESOURCES[resource]
+        key = (kind, ns, name)
+        state = self.server.standin._state
+        not_found = ApiError(404, f'{resource} "{name}" not found', name=name, resource=resource)
+        conflict = ApiError(409, f'Operation cannot be fulfilled on {resource} "{name}": the object '
+                                 "has been modified; please apply your changes to the latest version "
+                                 "and try again", "Conflict", name=name, resource=resource)
+        if method == "PATCH":
+            ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip()
+            if ctype not in _MERGE_PATCH_TYPES:
+                raise ApiError(415, f"the stand-in only supports {', '.join(_MERGE_PATCH_TYPES)}, "
+                                    f"not {ctype!r}")
+        if method in ("PUT", "PATCH") and not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+
+        with state.cond:
+            current = state.objects.get(key)
+            if method == "GET":
+                if current is None:
+                    raise not_found
+                stored = copy.deepcopy(current)
+            elif method == "DELETE":
+                if current is None:
+                    raise not_found
+                pre = (body or {}).get("preconditions") or {}
+                if pre.get("resourceVersion") not in (None, current["metadata"]["resourceVersion"]):
+                    raise conflict
+                if pre.get("uid") not in (None, current["metadata"]["uid"]):
+                    raise conflict
+                stored = state.remove(*key)
+            elif method in ("PUT", "PATCH"):
+                if current is None:
+                    raise not_found
+                meta = body.get("metadata") or {}
+                if meta.get("name") not in (None, name):
+                    raise ApiError(400, f"the name of the object ({meta['name']}) does not match the "
+                                        f"name on the URL ({name})")
+                # A resourceVersion in the body is an optimistic-concurrency precondition;
+                # without one the write is unconditional, as in Kubernetes.
+                wanted = meta.get("resourceVersion")
+                if wanted is not None and wanted != current["metadata"]["resourceVersion"]:
+                    raise conflict
+                new = copy.deepcopy(body) if method == "PUT" else merge_patch(current, body)
+                new["kind"] = kind
+                new.setdefault("metadata", {}).update(name=name, namespace=ns)
+                stored = state.write(new, create=False, update=True)
+            else:
+                raise ApiError(405, f"{method} is not supported on {resource} by the stand-in")
+        self._send_json(200, stored)
+
+    # -- watch
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def _watch(self, kind, ns, labels, fields, query):
+        state = self.server.standin._state
+        timeout = query.get("timeoutSeconds")
+        deadline = time.monotonic() + int(timeout) if timeout not in (None, "") else None
+        start = query.get("resourceVersion") or "0"
+        if not start.isdigit():
+            raise ApiError(400, f"invalid resourceVersion {start!r}")
+        start = int(start)
+
+        pending: list[dict] = []
+        with state.cond:
+            if start == 0:
+                # No resourceVersion: synthetic ADDED for the current state, then changes after it.
+                pending = [{"type": "ADDED", "object": o} for o in state.select(kind, ns, labels, fields)]
+                cursor = state.rv
+            else:
+                cursor = start
+            expired = cursor < state.floor
+            floor = state.floor
+            self.server.standin._watchers += 1
+
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            while True:
+                if expired:
+                    # The client's Watch turns this ERROR event into ApiException(410); the
+                    # API server sends it inside a 200 stream, not as an HTTP status.
+                    pending.append({"type": "ERROR", "object": status_body(
+                        410, f"too old resource version: {cursor} ({floor})", "Expired")})
+                for event in pending:
+                    self._chunk(json.dumps(event).encode() + b"\n")
+                if expired:
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                with state.cond:
+                    state.cond.wait_for(lambda: state.stopping or state.rv > cursor, remaining)
+                    if state.stopping:
+                        break
+                    expired, floor = cursor < state.floor, state.floor
+                    events = [e for e in state.history if e.rv > cursor]
+                    cursor = max(cursor, state.rv)
+                pending = [] if expired else [
+                    ev for ev in (watch_event(e, kind, ns, labels, fields) for e in events) if ev]
+            self.wfile.write(b"0\r\n\r\n")  # a clean end of the chunked body
+            self.wfile.flush()
+        except OSError:
+            self.close_connection = True  # the client went away (e.g. Watch.stop())
+        finally:
+            with state.cond:
+                self.server.standin._watchers -= 1
+                state.cond.notify_all()
+        if state.stopping:
+            self.close_connection = True
+
+
+class KubeStandIn:
+    """A core/v1 ConfigMap + Pod API server for tests.  See the module docstring."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, history: int = 1000):
+        self._address = (host, port)
+        self._state = _State(history)
+        self._watchers = 0  # open watch streams, guarded by _state.cond
+        self._lock = threading.Lock()  # requests log, failure injections, open connections
+        self._requests: list[tuple[str, str]] = []
+        self._failures: list[list] = []  # [method, compiled regex, status, remaining]
+        self._connections: set[socket.socket] = set()
+        self._httpd: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle
+
+    def start(self) -> "KubeStandIn":
+        self._httpd = _Server(self._address, self)
+        # A short poll interval keeps stop() quick; shutdown() waits for one poll.
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="kube-standin", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._httpd is None:
+            return
+        state = self._state
+        with state.cond:
+            state.stopping = True
+            state.cond.notify_all()
+            # Let open watches finish their chunked bodies, so clients see a clean end of stream.
+            state.cond.wait_for(lambda: self._watchers == 0, timeout=2)
+        self._httpd.shutdown()
+        # Idle keep-alive connections would otherwise keep their handler threads blocked on read.
+        with self._lock:
+            for conn in list(self._connections):
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+        self._httpd = self._thread = None
+
+    def __enter__(self) -> "KubeStandIn":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def port(self) -> int:
+        return self._httpd.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self._address[0]}:{self.port}"
+
+    def client(self):
+        """A CoreV1Api talking to this server without auth (imported lazily: the server is stdlib only)."""
+        from kubernetes import client as k8s
+
+        config = k8s.Configuration()
+        config.host = self.url
+        config.proxy = None  # never route loopback through a proxy from the environment
+        return k8s.CoreV1Api(k8s.ApiClient(config))
+
+    # -- direct state access (same versioning and watch fan-out as the HTTP API)
+
+    def put(self, obj: dict) -> dict:
+        """Create or replace a ConfigMap/Pod dict (kind required; namespace defaults to 'default')."""
+        obj = copy.deepcopy(obj)
+        obj["kind"] = _kind_of(obj.get("kind", ""))
+        meta = obj.setdefault("metadata", {})
+        meta.setdefault("namespace", "default")
+        if not meta.get("name"):
+            raise ValueError("metadata.name is required")
+        with self._state.cond:
+            return self._state.write(obj, create=True, update=True)
+
+    def delete(self, kind: str, namespace: str, name: str) -> dict | None:
+        with self._state.cond:
+            return self._state.remove(_kind_of(kind), namespace, name)
+
+    def get(self, kind: str, namespace: str, name: str) -> dict | None:
+        with self._state.cond:
+            obj = self._state.objects.get((_kind_of(kind), namespace, name))
+            return copy.deepcopy(obj)
+
+    def list(self, kind: str, namespace: str | None = None) -> list[dict]:
+        with self._state.cond:
+            return self._state.select(_kind_of(kind), namespace)
+
+    @property
+    def resource_version(self) -> str:
+        with self._state.cond:
+            return str(self._state.rv)
+
+    def compact(self) -> None:
+        """Forget the event history: a watch from any older resourceVersion now gets 410 Expired."""
+        with self._state.cond:
+            self._state.history.clear()
+            self._state.floor = self._state.rv
+            self._state.cond.notify_all()  # running watches check whether they fell behind
+
+    # -- fault injection and request log
+
+    def fail_next(self, method: str, path_regex: str, status: int, times: int = 1) -> None:
+        """Answer the next `times` requests matching method and path (with query, re.search) with status.
+
+        No Retry-After header is sent: urllib3 would otherwise retry 429/503 GETs transparently.
+        """
+        with self._lock:
+            self._failures.append([method.upper(), re.compile(path_regex), status, times])
+
+    def _take_failure(self, method: str, path: str) -> int | None:
+        with self._lock:
+            for rule in self._failures:
+                if rule[0] == method and rule[1].search(path):
+                    rule[3] -= 1
+                    if rule[3] <= 0:
+                        self._failures.remove(rule)
+                    return rule[2]
+        return None
+
+    @property
+    def requests(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return list(self._requests)
+
+    def _log(self, method: str, path: str) -> None:
+        with self._lock:
+            self._requests.append((method, path))
+
+    def _track(self, conn: socket.socket, alive: bool) -> None:
+        with self._lock:
+            (self._connections.add if alive else self._connections.discard)(conn)
