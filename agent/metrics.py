@@ -14,13 +14,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from agent import __version__
 from agent.devices.monitor import DeviceMonitor
 from agent.faults.hub import FaultHub
+from agent.faults.log import FaultLog
 from agent.faults.service import FaultService
 
 
 class AgentCollector:
-    def __init__(self, node: str, monitor: DeviceMonitor, faults: FaultService, hub: FaultHub,
-                 components: Callable[[], list[tuple[str, bool]]]):
+    def __init__(self, node: str, monitor: DeviceMonitor, faults: FaultService, hub: FaultHub, fault_log: FaultLog,
+                 sinks: list, components: Callable[[], list[tuple[str, bool]]]):
         self._node = node
+        self._log = fault_log
+        self._sinks = sinks
         self._monitor = monitor
         self._faults = faults
         self._hub = hub
@@ -67,7 +70,26 @@ class AgentCollector:
                                       labels=["node", "sink", "result"])
         reports.add_metric([node, "stream", "delivered"], self._hub.counters["delivered"])
         reports.add_metric([node, "stream", "resynced"], self._hub.counters["resynced"])
+        for sink in self._sinks:
+            for result, count in sorted(sink.counters.items()):
+                reports.add_metric([node, sink.name, result], count)
         yield reports
+
+        revision = GaugeMetricFamily("npu_agent_fault_log_revision", "Revision of the last change in the durable fault log",
+                                     labels=["node"])
+        revision.add_metric([node], self._log.revision)
+        yield revision
+        if self._sinks:
+            pending = GaugeMetricFamily("npu_agent_outbox_pending",
+                                        "Fault changes in the durable log not yet acknowledged by every sink's peer",
+                                        labels=["node"])
+            pending.add_metric([node], max(sink.pending for sink in self._sinks))
+            success = GaugeMetricFamily("npu_agent_sink_last_success_timestamp_seconds",
+                                        "When the sink's peer last acknowledged a request", labels=["node", "sink"])
+            for sink in self._sinks:
+                success.add_metric([node, sink.name], sink.last_success)
+            yield pending
+            yield success
 
         subscribers = GaugeMetricFamily("npu_agent_fault_stream_subscribers", "Open fault stream subscriptions",
                                         labels=["node"])

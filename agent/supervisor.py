@@ -15,6 +15,7 @@ from agent.devices.dcmi import DcmiBackend
 from agent.devices.monitor import DeviceMonitor
 from agent.devices.scenario import load_scenario
 from agent.devices.simulated import SimulatedBackend
+from agent.faults.clusterd import ClusterdSink
 from agent.faults.hub import FaultHub
 from agent.faults.log import FaultLog
 from agent.faults.service import FaultService
@@ -76,6 +77,7 @@ class Agent:
     monitor: DeviceMonitor
     http: HttpEndpoint
     grpc: GrpcServer
+    sinks: list
 
 
 def make_backend(config: Config, clock: Callable[[], float] = time.time) -> DeviceBackend:
@@ -99,10 +101,16 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
                             poll_interval_s=config.devices.poll_interval_seconds,
                             call_timeout_s=config.devices.call_timeout_seconds, clock=clock)
     grpc_server = GrpcServer(config.grpc.listen, hub)
+    sinks = []
+    if config.clusterd.enabled:
+        clusterd = ClusterdSink(config.clusterd, config.node_name, fault_log, clock)
+        faults.listeners.append(clusterd.notify)
+        sinks.append(clusterd)
     supervisor = Supervisor([])
-    collector = AgentCollector(config.node_name, monitor, faults, hub,
+    collector = AgentCollector(config.node_name, monitor, faults, hub, fault_log, sinks,
                                lambda: [(name, ok) for name, ok, _ in supervisor.states()])
     http = HttpEndpoint(config.http.listen, make_registry(collector), supervisor.readiness)
-    # Servers first, so /readyz and the stream answer while the driver is still being opened.
-    supervisor.components = [http, grpc_server, faults, monitor]
-    return Agent(config, supervisor, hub, fault_log, faults, monitor, http, grpc_server)
+    # Servers first, so /readyz and the stream answer while the driver is still being opened;
+    # sinks before the sources that feed them.
+    supervisor.components = [http, grpc_server, *sinks, faults, monitor]
+    return Agent(config, supervisor, hub, fault_log, faults, monitor, http, grpc_server, sinks)

@@ -15,6 +15,7 @@ from typing import Callable, Protocol
 
 from agent.devices.base import BackendError, DeviceBackend, DeviceInfo, DriverEvent, Reading
 from agent.devices.pool import DaemonPool
+from agent.ratelimit import TokenBucket
 from agent.faults.codes import RESET_FINISH_CODE
 from agent.faults.engine import Health
 
@@ -34,26 +35,6 @@ class CallTimeout(Exception):
     pass
 
 
-class TokenBucket:
-    """At most `rate_per_minute` events, in bursts up to the same number (the device plugin's limit)."""
-
-    def __init__(self, rate_per_minute: int, clock: Callable[[], float]):
-        self._capacity = float(rate_per_minute)
-        self._rate = rate_per_minute / 60.0
-        self._tokens = self._capacity
-        self._clock = clock
-        self._last = clock()
-
-    def take(self) -> bool:
-        now = self._clock()
-        self._tokens = min(self._capacity, self._tokens + (now - self._last) * self._rate)
-        self._last = now
-        if self._tokens >= 1:
-            self._tokens -= 1
-            return True
-        return False
-
-
 class DeviceMonitor:
     name = "devices"
 
@@ -66,7 +47,8 @@ class DeviceMonitor:
         self._call_timeout_s = call_timeout_s
         self._clock = clock
         self._open_retry_s = open_retry_s
-        self._bucket = TokenBucket(event_rate_per_minute, time.monotonic)
+        # The device plugin's limit: 1,000 events a minute, in bursts of up to as many.
+        self._bucket = TokenBucket(event_rate_per_minute / 60.0, event_rate_per_minute, time.monotonic)
         self._executor: DaemonPool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._main: asyncio.Task | None = None

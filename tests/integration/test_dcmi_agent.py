@@ -4,63 +4,14 @@ from __future__ import annotations
 
 import ctypes
 import json
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
-import pytest
 
 from agent.devices import dcmi_abi as abi
-from tests.fakes.dcmi import FakeDcmiControl, build_fake_dcmi
+from tests.integration.conftest import CARDS, phy
 from tests.integration.harness import AgentProcess, wait_until
 
 DEADLINE = 2.0  # faults must show in /metrics and `faults --json` within this
-CARDS = 8  # the fake's physical id is CARDS-1-logic
-
-
-def phy(logic: int) -> int:
-    return CARDS - 1 - logic
-
-
-@pytest.fixture(scope="session")
-def fake_libs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("fake-dcmi")
-    build_fake_dcmi(out, "full")
-    build_fake_dcmi(out, "no_subscribe")
-    return out
-
-
-@pytest.fixture
-def short_dir():
-    # Unix socket paths must stay under 108 bytes, so keep the control socket out of pytest's long paths.
-    path = Path(tempfile.mkdtemp(prefix="npa-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def start_agent(fake_libs, short_dir, tmp_path):
-    agents: list[AgentProcess] = []
-
-    def start(devices: dict | None = None, faults: dict | None = None, variant: str = "full",
-              library: str | None = None, wait_ready: bool = True) -> tuple[AgentProcess, FakeDcmiControl]:
-        lib = library if library is not None else str(fake_libs / variant / "libdcmi.so")
-        config = {"devices": {"backend": "dcmi", "dcmi_library": lib, "poll_interval_seconds": 30,
-                              "call_timeout_seconds": 0.5, **(devices or {})},
-                  "faults": faults or {}}
-        env = {"FAKE_DCMI_CONTROL": str(short_dir / "ctl.sock"), "FAKE_DCMI_CARDS": str(CARDS)}
-        agent = AgentProcess(tmp_path, config, env).start()
-        agents.append(agent)
-        control = None
-        if wait_ready:
-            wait_until(lambda: agent.http("/readyz")[0] == 200, 10, "/readyz 200")
-            control = FakeDcmiControl(short_dir / "ctl.sock").connect()
-        return agent, control
-
-    yield start
-    for agent in agents:
-        agent.stop()
 
 
 def visible(agent: AgentProcess, logic: int, code: str, level: str) -> bool:

@@ -1,0 +1,102 @@
+"""Public faults for ClusterD: which ones a device state means, and ClusterD's validation rules.
+
+Pure functions. A device whose worst level has a public code (`clusterd.public_codes`) is one
+public fault; its `faultId` is stable per (node, device, public code), so the recover matches the
+occur, and its `faultTime` is the fault's start, repeated in the recover.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from agent._proto import pubfault_pb2 as pb
+from agent.faults.engine import DeviceState
+
+MIN_TIME_MS = 1735689600000  # ClusterD refuses times before 2025-01-01
+MAX_FAULTS_PER_REQUEST = 100
+_ID = re.compile(r"^[a-zA-Z0-9\-_.]{8,128}$")
+_NODE = re.compile(r"^[a-z0-9]([a-z0-9\-.]{0,251}[a-z0-9])?$")
+_DESCRIPTION = re.compile(r"^[\S ]{0,512}$")
+
+
+@dataclass(frozen=True)
+class PublicFault:
+    fault_id: str
+    code: str  # 9-digit public code
+    time_ms: int
+    device: int  # physical id
+    level: str
+    codes: str  # the device's own codes, for people reading ClusterD's view
+
+
+def fault_id(node: str, device: int, public_code: str) -> str:
+    return hashlib.sha256(f"{node}/npu/{device}/{public_code}".encode()).hexdigest()
+
+
+def public_faults(node: str, state: DeviceState, public_codes: dict[str, str]) -> dict[str, PublicFault]:
+    code = public_codes.get(state.level.name)
+    if not code:
+        return {}
+    codes = ",".join(c.text for c in state.codes)
+    fault = PublicFault(fault_id(node, state.phy_id, code), code, state.since_ms, state.phy_id, state.level.name, codes)
+    return {fault.fault_id: fault}
+
+
+def to_message(node: str, assertion: str, fault: PublicFault) -> pb.Fault:
+    description = f"npu-node-agent: NPU {fault.device} {fault.level} ({fault.codes or 'no code'})"[:512]
+    return pb.Fault(
+        faultId=fault.fault_id, faultType="NPU", faultCode=fault.code, faultTime=fault.time_ms, assertion=assertion,
+        faultLocation={"device": str(fault.device), "level": fault.level[:128], "codes": fault.codes[:128]},
+        influence=[pb.PubFaultInfo(nodeName=node, deviceIds=[fault.device])],
+        description=description)
+
+
+def _time_ok(value: int) -> bool:
+    return len(str(value)) == 13 and value >= MIN_TIME_MS
+
+
+def request_problems(request: pb.PublicFaultRequest, resources_known: bool = True) -> list[str]:
+    """ClusterD's request-level rules; any problem means a 409 for the whole request."""
+    problems = []
+    if not _ID.match(request.id):
+        problems.append(f"id {request.id!r} does not match {_ID.pattern}")
+    if not _time_ok(request.timestamp):
+        problems.append(f"timestamp {request.timestamp} is not 13-digit ms on or after 2025-01-01")
+    if request.version != "1.0":
+        problems.append(f"version {request.version!r} is not 1.0")
+    if not 1 <= len(request.faults) <= MAX_FAULTS_PER_REQUEST:
+        problems.append(f"{len(request.faults)} faults (1..100 allowed)")
+    return problems
+
+
+def fault_problems(fault: pb.Fault, known_codes: frozenset[str] | None = None) -> list[str]:
+    """ClusterD's per-fault rules; a fault with a problem is dropped silently by ClusterD."""
+    problems = []
+    if not _ID.match(fault.faultId):
+        problems.append(f"faultId {fault.faultId!r} does not match {_ID.pattern}")
+    if fault.faultType not in ("NPU", "Node", "Network", "Storage"):
+        problems.append(f"faultType {fault.faultType!r}")
+    if len(fault.faultCode) != 9 or (known_codes is not None and fault.faultCode not in known_codes):
+        problems.append(f"faultCode {fault.faultCode!r} is not a configured 9-character public code")
+    if not _time_ok(fault.faultTime):
+        problems.append(f"faultTime {fault.faultTime} is not 13-digit ms on or after 2025-01-01")
+    if fault.assertion not in ("occur", "recover", "once"):
+        problems.append(f"assertion {fault.assertion!r}")
+    if len(fault.faultLocation) > 10 or any(len(k.encode()) > 16 or len(v.encode()) > 128
+                                            for k, v in fault.faultLocation.items()):
+        problems.append("faultLocation: at most 10 entries, keys up to 16 bytes, values up to 128 bytes")
+    if not 1 <= len(fault.influence) <= 1000:
+        problems.append(f"{len(fault.influence)} influence entries (1..1000 allowed)")
+    for info in fault.influence:
+        if info.nodeName and not _NODE.match(info.nodeName):
+            problems.append(f"nodeName {info.nodeName!r} is not a DNS-1123 name")
+        if not info.nodeName and not info.nodeSN:
+            problems.append("influence without nodeName or nodeSN")
+        ids = list(info.deviceIds)
+        if not 1 <= len(ids) <= 32 or len(set(ids)) != len(ids) or any(not 0 <= i < 32 for i in ids):
+            problems.append(f"deviceIds {ids}: 1..32 unique ids in 0..31")
+    if not _DESCRIPTION.match(fault.description):
+        problems.append("description: up to 512 characters, no tabs or line breaks")
+    return problems
