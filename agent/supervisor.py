@@ -16,6 +16,7 @@ from agent.devices.monitor import DeviceMonitor
 from agent.devices.scenario import load_scenario
 from agent.devices.simulated import SimulatedBackend
 from agent.faults.clusterd import ClusterdSink
+from agent.faults.configmap import DeviceInfoConfigMapSink
 from agent.faults.hub import FaultHub
 from agent.faults.log import FaultLog
 from agent.faults.service import FaultService
@@ -106,6 +107,11 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
         clusterd = ClusterdSink(config.clusterd, config.node_name, fault_log, clock)
         faults.listeners.append(clusterd.notify)
         sinks.append(clusterd)
+    if config.kubernetes.enabled and config.kubernetes.device_info_configmap:
+        configmap = DeviceInfoConfigMapSink(
+            config.node_name, hub, lambda: monitor.devices[0].chip_name if monitor.devices else "", clock=clock)
+        faults.listeners.append(configmap.notify)
+        sinks.append(configmap)
     supervisor = Supervisor([])
     collector = AgentCollector(config.node_name, monitor, faults, hub, fault_log, sinks,
                                lambda: [(name, ok) for name, ok, _ in supervisor.states()])

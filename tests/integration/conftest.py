@@ -39,12 +39,13 @@ def start_agent(fake_libs, short_dir, tmp_path):
     agents: list[AgentProcess] = []
 
     def start(devices: dict | None = None, faults: dict | None = None, variant: str = "full",
-              library: str | None = None, wait_ready: bool = True, **sections) -> tuple[AgentProcess, FakeDcmiControl]:
+              library: str | None = None, wait_ready: bool = True, env: dict | None = None,
+              **sections) -> tuple[AgentProcess, FakeDcmiControl]:
         lib = library if library is not None else str(fake_libs / variant / "libdcmi.so")
         config = {"devices": {"backend": "dcmi", "dcmi_library": lib, "poll_interval_seconds": 30,
                               "call_timeout_seconds": 0.5, **(devices or {})},
                   "faults": faults or {}, **sections}
-        env = {"FAKE_DCMI_CONTROL": str(short_dir / "ctl.sock"), "FAKE_DCMI_CARDS": str(CARDS)}
+        env = {"FAKE_DCMI_CONTROL": str(short_dir / "ctl.sock"), "FAKE_DCMI_CARDS": str(CARDS), **(env or {})}
         agent = AgentProcess(tmp_path, config, env).start()
         agents.append(agent)
         control = None

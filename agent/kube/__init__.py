@@ -1,0 +1,1 @@
+"""Access to the Kubernetes API (the official client)."""

@@ -1,0 +1,57 @@
+"""The device-info ConfigMap written by the real agent through the official client to a Kubernetes API stand-in."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from agent.gojson import check_code
+from tests.fakes.kube import KubeStandIn
+from tests.integration.conftest import phy
+from tests.integration.harness import wait_until
+
+NAME = "mindx-dl-deviceinfo-test-node"
+
+
+@pytest.fixture
+def kube(tmp_path):
+    with KubeStandIn() as standin:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "test",
+            "clusters": [{"name": "test", "cluster": {"server": standin.url}}],
+            "users": [{"name": "test", "user": {}}],
+            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}]}))
+        yield standin, str(kubeconfig)
+
+
+def device_list(standin: KubeStandIn) -> dict | None:
+    cm = standin.get("ConfigMap", "kube-system", NAME)
+    if cm is None:
+        return None
+    config = json.loads(cm["data"]["DeviceInfoCfg"])
+    assert config["CheckCode"] == check_code(config["DeviceInfo"])  # what ClusterD verifies
+    assert cm["metadata"]["labels"] == {"mx-consumer-cim": "true"}
+    return config["DeviceInfo"]["DeviceList"]
+
+
+def test_configmap_follows_faults(start_agent, kube):
+    standin, kubeconfig = kube
+    standin.fail_next("PUT", NAME, 500)  # the first write fails: the sink retries
+    agent, fake = start_agent(devices={"poll_interval_seconds": 1},
+                              kubernetes={"enabled": True, "device_info_configmap": True},
+                              env={"KUBECONFIG": kubeconfig})
+    wait_until(lambda: device_list(standin), 10, "ConfigMap created")
+    assert device_list(standin)["huawei.com/Ascend910-Unhealthy"] == ""
+    fake.occur(2, 0x80E18402)
+    wait_until(lambda: device_list(standin)["huawei.com/Ascend910-Unhealthy"] == f"Ascend910-{phy(2)}", 3,
+               "unhealthy device listed")
+    faults = json.loads(device_list(standin)["huawei.com/Ascend910-Fault"])
+    assert faults[0]["fault_code"] == "80E18402" and faults[0]["fault_handling"] == "SeparateNPU"
+    fake.recover(2, 0x80E18402)
+    wait_until(lambda: device_list(standin)["huawei.com/Ascend910-Unhealthy"] == "", 4, "device healthy again")
+    writes = [r for r in standin.requests if r[0] in ("PUT", "POST")]
+    assert any(m == "POST" for m, _ in writes)  # update first, then create when it did not exist
+    assert agent.metric("npu_agent_fault_reports_total", sink="configmap", result="written") >= 3
