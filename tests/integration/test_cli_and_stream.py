@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent._proto import npu_agent_faults_pb2 as pb
 from agent._proto import npu_agent_faults_pb2_grpc as pb_grpc
-from tests.integration.harness import REPO, AgentProcess
+from tests.integration.harness import REPO, AgentProcess, wait_until
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -142,3 +142,32 @@ def test_demo_shows_faults_appearing_escalating_and_clearing(tmp_path):
 def test_generated_stubs_are_up_to_date():
     result = subprocess.run([sys.executable, "proto/generate.py", "--check"], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_subscriber_resumes_across_an_agent_restart(tmp_path, start_agent):
+    agent, fake = start_agent(devices={"poll_interval_seconds": 1})
+    with grpc.insecure_channel(f"127.0.0.1:{agent.grpc_port}") as channel:
+        stream = pb_grpc.NodeFaultsStub(channel).Watch(pb.WatchRequest(), timeout=30)
+        snapshot = next(stream).snapshot
+        stream.cancel()
+    epoch, seen = snapshot.epoch, snapshot.revision
+    fake.occur(0, 0x80E18402)  # changes the subscriber misses while it is away
+    fake.occur(1, 0x80E18005)
+    wait_until(lambda: agent.fault_of(7) and agent.fault_of(6), 3, "both faults")
+    missed = {(f["device"], f["revision"]) for f in agent.faults_json()}
+    assert agent.stop() < 10
+    fake.close()
+    restarted, _ = start_agent(devices={"poll_interval_seconds": 1})
+    with grpc.insecure_channel(f"127.0.0.1:{restarted.grpc_port}") as channel:
+        stream = pb_grpc.NodeFaultsStub(channel).Watch(
+            pb.WatchRequest(epoch=epoch, since_revision=seen, keepalive_seconds=1), timeout=30)
+        changes = []
+        for message in stream:
+            if message.WhichOneof("kind") != "change":
+                break
+            changes.append(message.change)
+        stream.cancel()
+    assert all(c.epoch == epoch for c in changes)  # revisions continue: the fault log is durable
+    revisions = [c.revision for c in changes]
+    assert revisions == list(range(seen + 1, seen + 1 + len(revisions)))
+    assert missed <= {(c.device.device, c.revision) for c in changes}

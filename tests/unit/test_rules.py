@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 
 import pytest
+
+from tests.conftest import REPO
 
 from agent.errors import ConfigError
 from agent.faults.codes import load_fault_code_table, parse_fault_code_table
@@ -101,3 +105,20 @@ def test_the_first_rule_for_a_code_wins():
          "ReleaseTimeWindow": 60}]}, "c")
     assert rules.frequency[0x80E18005].times == 3
     assert any("repeats 80E18005" in w for w in rules.warnings)
+
+
+def test_the_shipped_clusterd_customization_keeps_the_defaults_and_adds_the_agents_codes(reference_dir):
+    from agent.config import config_from_dict
+
+    shipped = json.loads((REPO / "helm/npu-node-agent/files/clusterd/publicCustomization.json").read_text())
+    defaults = json.loads((reference_dir / "publicFaultConfiguration.json").read_text())
+    # ClusterD replaces its whole configuration with this file: every shipped entry must stay.
+    for key, codes in defaults["publicFaultCode"].items():
+        assert set(codes) <= set(shipped["publicFaultCode"][key]), key
+    assert set(defaults["publicFaultResource"]) <= set(shipped["publicFaultResource"])
+    config = config_from_dict({})
+    assert config.clusterd.resource in shipped["publicFaultResource"]
+    listed = {code: key for key, codes in shipped["publicFaultCode"].items() for code in codes}
+    expected = {"SubHealthFault": "SubHealthFaultCodes", "PreSeparateNPU": "PreSeparateNPUCodes"}
+    for level, code in config.clusterd.public_codes.items():
+        assert listed[code] == expected.get(level, "SeparateNPUCodes"), (level, code)
