@@ -111,7 +111,8 @@ def test_outage_and_agent_kill_at_once(start_agent, clusterd):
     # The restarted driver starts healthy: both faults recover; then device 6 fails again at once.
     fake2.occur(6, 0x80E18402)
     clusterd.wait_for(lambda s: collapsed(s.assertions(fid(5, RESTART))) == ["occur", "recover"], timeout=20)
-    clusterd.wait_for(lambda s: collapsed(s.assertions(fid(6, SEPARATE)))[-1:] == ["occur"]
+    # (readiness means the first poll is done, so the restarted agent has seen device 6 healthy)
+    clusterd.wait_for(lambda s: collapsed(s.assertions(fid(6, SEPARATE))) == ["occur", "recover", "occur"]
                       and fid(6, SEPARATE) in active_ids(s), timeout=20)
     # The new occur was held until ClusterD had deleted the recovered fault (5 s), so it stays.
     deadline = clusterd.requests[-1].at + 6

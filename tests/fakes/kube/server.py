@@ -18,6 +18,7 @@ import copy
 import json
 import re
 import secrets
+import sys
 import socket
 import threading
 import time
@@ -263,6 +264,13 @@ class _Server(ThreadingHTTPServer):
         self.standin = standin
         super().__init__(address, _Handler)
 
+    def handle_error(self, request, client_address):
+        # A client that hangs up (Watch.stop() shuts its socket down mid-stream) may reset the
+        # connection under a kept-alive handler; that is normal, not worth a traceback on stderr.
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
+
 
 class _Handler(BaseHTTPRequestHandler):
     # HTTP/1.1 so watches can use chunked transfer encoding and connections are kept alive
@@ -420,7 +428,7 @@ class _Handler(BaseHTTPRequestHandler):
                 wanted = meta.get("resourceVersion")
                 if wanted is not None and wanted != current["metadata"]["resourceVersion"]:
                     raise conflict
-                new = copy.deepcopy(body) if method == "PUT" else merge_patch(current, body)
+                new = copy.deepcopy(body if method == "PUT" else merge_patch(current, body))
                 new["kind"] = kind
                 new.setdefault("metadata", {}).update(name=name, namespace=ns)
                 stored = state.write(new, create=False, update=True)
@@ -436,11 +444,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _watch(self, kind, ns, labels, fields, query):
         state = self.server.standin._state
-        timeout = query.get("timeoutSeconds")
-        deadline = time.monotonic() + int(timeout) if timeout not in (None, "") else None
+        timeout = query.get("timeoutSeconds") or ""
         start = query.get("resourceVersion") or "0"
-        if not start.isdigit():
-            raise ApiError(400, f"invalid resourceVersion {start!r}")
+        if not (timeout == "" or timeout.isdigit()) or not start.isdigit():
+            raise ApiError(400, f"invalid timeoutSeconds {timeout!r} or resourceVersion {start!r}")
+        deadline = time.monotonic() + int(timeout) if timeout else None
         start = int(start)
 
         pending: list[dict] = []
