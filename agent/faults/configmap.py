@@ -16,6 +16,7 @@ from typing import Callable
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from agent.devices.pool import DaemonPool
 from agent.faults.deviceinfo import LABELS, NAME_PREFIX, NAMESPACE, content_key, device_info_data
 from agent.faults.hub import Change, FaultHub
 from agent.kube.client import REQUEST_TIMEOUT_S, KubeUnavailable, core_api
@@ -40,6 +41,7 @@ class DeviceInfoConfigMapSink:
         self._api: client.CoreV1Api | None = None
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._pool = DaemonPool(max_threads=1, name="kube")  # a stuck API call must not hold up SIGTERM
         self._written_key = ""
         self._written_at = 0.0
         self.error = ""
@@ -57,6 +59,7 @@ class DeviceInfoConfigMapSink:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        self._pool.close()
 
     def readiness(self) -> tuple[bool, str]:
         return (not self.error, self.error)
@@ -94,7 +97,7 @@ class DeviceInfoConfigMapSink:
             await asyncio.sleep(MIN_INTERVAL_S - since)
             return 0.0
         try:
-            await asyncio.to_thread(self._write, data)
+            await asyncio.wrap_future(self._pool.submit(self._write, data))
         except (ApiException, KubeUnavailable, OSError, ValueError) as exc:
             self.counters["error"] += 1
             reason = f"{getattr(exc, 'status', '')} {getattr(exc, 'reason', '') or exc}".strip()
