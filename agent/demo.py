@@ -17,7 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from agent.config import load_config
+from agent.config import config_from_dict, load_config
+from agent.demo_clusterd import DemoClusterd
 from agent.faults.hub import Change, Snapshot
 
 # Times in seconds from the start; the scenario repeats every 60 s.
@@ -59,7 +60,7 @@ def _free(host: str, port: int) -> bool:
             return False
 
 
-def write_demo_files(workdir: Path) -> Path:
+def write_demo_files(workdir: Path, clusterd_port: int = 0) -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "scenario.yaml").write_text(yaml.safe_dump(SCENARIO, sort_keys=False))
     (workdir / "customization.json").write_text(json.dumps(CUSTOMIZATION, indent=2))
@@ -75,6 +76,8 @@ def write_demo_files(workdir: Path) -> Path:
                     "simulated": {"devices": 8, "chip_name": "910B3", "scenario": str(workdir / "scenario.yaml")}},
         "faults": {"customization_file": str(workdir / "customization.json")},
     }
+    if clusterd_port:
+        config["clusterd"] = {"enabled": True, "address": f"127.0.0.1:{clusterd_port}"}
     path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -91,15 +94,22 @@ def run_demo(duration: float, workdir: str | None) -> int:
     from agent.logs import setup_logging
 
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="npu-node-agent-demo-"))
-    config_path = write_demo_files(root)
-    config = load_config(str(config_path), environ={})
+    root.mkdir(parents=True, exist_ok=True)
     log_file = open(root / "agent.log", "a", encoding="utf-8")
-    setup_logging(config.log.level, config.log.format, stream=log_file)
+    setup_logging("info", "json", stream=log_file)
     tty = sys.stdout.isatty()
+
+    def say(line: str) -> None:
+        print(("\r" if tty else "") + f"[{time.monotonic() - started:5.1f}s] {line}", flush=True)
+
+    started = time.monotonic()
 
     async def main() -> int:
         stop = asyncio.Event()
-        started = time.monotonic()
+        clusterd = DemoClusterd(set(config_from_dict({}).clusterd.public_codes.values()), say)
+        await clusterd.start()
+        config_path = write_demo_files(root, clusterd.port)
+        config = load_config(str(config_path), environ={})
 
         def on_started(agent) -> None:
             http, grpc_port = agent.http.port, agent.grpc.port
@@ -107,6 +117,7 @@ def run_demo(duration: float, workdir: str | None) -> int:
                   f"  metrics:      http://127.0.0.1:{http}/metrics   (npu_agent_device_fault, npu_chip_info_health_status, ...)\n"
                   f"  readiness:    http://127.0.0.1:{http}/readyz\n"
                   f"  fault stream: npu-node-agent faults --target 127.0.0.1:{grpc_port} --follow\n"
+                  f"  ClusterD:     a demo ClusterD on 127.0.0.1:{clusterd.port} prints the public faults it receives\n"
                   f"  files:        {root}  (config.yaml, scenario.yaml, customization.json, agent.log)\n"
                   f"  run it again: npu-node-agent run --config {config_path}\n", flush=True)
             asyncio.create_task(watch(agent))
@@ -130,7 +141,10 @@ def run_demo(duration: float, workdir: str | None) -> int:
                     stop.set()
                     return
 
-        code = await serve(config, stop=stop, on_started=on_started)
+        try:
+            code = await serve(config, stop=stop, on_started=on_started)
+        finally:
+            await clusterd.stop()
         if tty:
             print()
         return code

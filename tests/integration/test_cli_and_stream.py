@@ -134,6 +134,9 @@ def test_demo_shows_faults_appearing_escalating_and_clearing(tmp_path):
     assert "80E18005 ManuallySeparateNPU by FaultFrequency" in out  # escalating by frequency
     assert "81078603 PreSeparateNPU by FaultDuration" in out  # escalating by duration
     assert "NPU3 healthy   NormalNPU" in out  # clearing (found and cleared by polling)
+    assert "ClusterD <- occur   020011001 NPU1 SeparateNPU" in out  # delivered to the demo ClusterD
+    assert "ClusterD <- recover 020011001 NPU1 SeparateNPU" in out
+    assert "DROPPED" not in out
     assert time.monotonic() - started < 40
     assert (tmp_path / "demo" / "config.yaml").is_file()
     assert cli("check-config", str(tmp_path / "demo" / "config.yaml")).returncode == 0
