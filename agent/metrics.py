@@ -74,6 +74,19 @@ class AgentCollector:
             for result, count in sorted(sink.counters.items()):
                 reports.add_metric([node, sink.name, result], count)
         yield reports
+        clusterd = [sink for sink in self._sinks if hasattr(sink, "coalesced")]
+        if clusterd:
+            coalesced = CounterMetricFamily(
+                "npu_agent_clusterd_coalesced_transitions_total",
+                "Recover/occur pairs of one public fault too close together for ClusterD to keep, not sent",
+                labels=["node"])
+            coalesced.add_metric([node], clusterd[0].coalesced)
+            deferred = GaugeMetricFamily("npu_agent_clusterd_deferred_occurs",
+                                         "Public fault occurs waiting until ClusterD has deleted the fault's recovery",
+                                         labels=["node"])
+            deferred.add_metric([node], clusterd[0].deferred)
+            yield coalesced
+            yield deferred
 
         revision = GaugeMetricFamily("npu_agent_fault_log_revision", "Revision of the last change in the durable fault log",
                                      labels=["node"])

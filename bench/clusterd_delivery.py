@@ -229,8 +229,9 @@ async def _subscribers(port: int, streams: int, conn) -> None:
     for channel in channels:
         await channel.close()
     wanted = set(keys)
-    conn.send(("result", [{"first": {k: v for k, v in r["first"].items() if k in wanted}, "changes": r["changes"],
-                           "snapshots": r["snapshots"], "error": r["error"]} for r in records]))
+    conn.send(("result", (time.process_time(), [
+        {"first": {k: v for k, v in r["first"].items() if k in wanted}, "changes": r["changes"],
+         "snapshots": r["snapshots"], "error": r["error"]} for r in records])))
 
 
 class SubscriberPool:
@@ -261,13 +262,16 @@ class SubscriberPool:
         for _, conn in self.workers:
             self._receive(conn, timeout, "ready")
 
-    def collect(self, keys: list[tuple[int, int]], timeout: float) -> list[dict]:
+    def collect(self, keys: list[tuple[int, int]], timeout: float) -> tuple[float, list[dict]]:
+        """(CPU seconds the workers used in all, one record per subscriber)."""
         for _, conn in self.workers:
             conn.send(("collect", keys, timeout))
-        results = []
+        cpu, results = 0.0, []
         for _, conn in self.workers:
-            results += self._receive(conn, timeout + 30, "result")
-        return results
+            used, records = self._receive(conn, timeout + 30, "result")
+            cpu += used
+            results += records
+        return cpu, results
 
     def close(self) -> None:
         for process, conn in self.workers:
@@ -373,7 +377,7 @@ def fanout_run(args, agent: AgentProcess, fake: FakeDcmiControl, trace: Path, su
             fake.once(logic, code, severity=1)
             keys.append((logic, code))
         injected_in = time.monotonic() - start
-        results = pool.collect(keys, 15.0)
+        client_cpu, results = pool.collect(keys, 15.0)
         cpu1 = sum(cpu.cpu_times()[:2])
         resynced = (metric_or_none(agent, "npu_agent_fault_reports_total", sink="stream", result="resynced") or 0) - resynced0
         limited = (metric_or_none(agent, "npu_agent_driver_events_total", result="rate_limited") or 0) - limited0
@@ -403,11 +407,11 @@ def fanout_run(args, agent: AgentProcess, fake: FakeDcmiControl, trace: Path, su
     window = (last - begin) / 1e9 if last > begin else float("nan")
     print(f"  {subscribers:>3} subscriber(s) in {len(pool.workers)} process(es): {len(keys)} once events over "
           f"{injected_in:.1f} s; {delivered} changes delivered in {window:.2f} s; missing {missing}; "
-          f"agent CPU {cpu1 - cpu0:.2f} s")
+          f"agent CPU {cpu1 - cpu0:.2f} s, subscriber processes {client_cpu:.2f} s")
     return {"subscribers": subscribers, "latencies": latencies, "missing": missing, "delivered": delivered,
             "window": window, "rate": delivered / window if window == window and window > 0 else 0.0,
             "per_sub_p99": per_sub_p99, "errors": errors, "resyncs": snapshots, "resynced": resynced,
-            "rate_limited": limited, "cpu": cpu1 - cpu0, "injected": len(keys)}
+            "rate_limited": limited, "cpu": cpu1 - cpu0, "client_cpu": client_cpu, "injected": len(keys)}
 
 
 # ---- phase 2: drain after an outage -------------------------------------------------------------
@@ -447,6 +451,9 @@ def outage_phase(args, agent: AgentProcess, fake: FakeDcmiControl, watcher: Watc
     mark = watcher.position()
     limited0 = metric_or_none(agent, "npu_agent_driver_events_total", result="rate_limited") or 0
     accepted0 = metric_or_none(agent, "npu_agent_driver_events_total", result="accepted") or 0
+    sink_results = ("sent", "unavailable", "rate_limited", "rejected", "invalid")
+    sink0 = {r: metric_or_none(agent, "npu_agent_fault_reports_total", sink="clusterd", result=r) or 0
+             for r in sink_results}
     standin.stop()
     outage_start = time.monotonic()
     for logic in churners:
@@ -533,8 +540,8 @@ def outage_phase(args, agent: AgentProcess, fake: FakeDcmiControl, watcher: Watc
     sequences = {fid: collapsed(standin.assertions(fid)) for fid in touched if standin.assertions(fid)}
     broken = sorted(fid for fid, seq in sequences.items() if not alternates(seq))
     gaps = [b.at - a.at for a, b in zip(requests, requests[1:])]
-    sink = {result: metric_or_none(agent, "npu_agent_fault_reports_total", sink="clusterd", result=result)
-            for result in ("sent", "unavailable", "rate_limited", "rejected", "invalid")}
+    sink = {r: (metric_or_none(agent, "npu_agent_fault_reports_total", sink="clusterd", result=r) or 0) - sink0[r]
+            for r in sink_results}
     return {
         "events": events, "injected_in": injected_in, "accepted": accepted, "limited": limited,
         "pending": pending, "changes_seen": len(records), "owed": owed, "net": net, "final": len(wanted),
@@ -606,14 +613,15 @@ def report_outage(args, p2: dict) -> None:
     full = sum(1 for r in accepted if len(r.request.faults) == MAX_FAULTS)
     drain = (p2["t_consistent"] or p2["t_pending0"] or time.time()) - t0
     print(f"restart -> first accepted request {since(p2['first_at'])}; -> outbox pending 0 {since(p2['t_pending0'])}; "
-          f"-> stand-in consistent with the agent {since(p2['t_consistent'])}")
+          f"-> stand-in consistent with the agent {since(p2['t_consistent'])} (before ClusterD's deferred deletions)")
     if p2["first_at"] is not None and p2["t_pending0"] is not None:
         print(f"  of which sending (first accepted request -> pending 0): {p2['t_pending0'] - p2['first_at']:.2f} s")
     print(f"requests: {len(requests)} (by answer {p2['codes']}), {len(accepted)} accepted carrying {p2['carried']} "
           f"faults ({full} full, mean {p2['carried'] / max(1, len(accepted)):.1f}/request); "
-          f"{len(p2['holds'])} gaps >= 2 s between requests (total {sum(p2['holds']):.1f} s: the agent holding a "
-          f"re-occur {RECOVER_SETTLE_S:g} s after its recover)")
-    print(f"agent sink counters: " + ", ".join(f"{k} {int(v)}" for k, v in p2["sink"].items() if v is not None))
+          f"{len(p2['holds'])} gaps >= 2 s between requests (median {percentile(p2['holds'], 50) if p2['holds'] else 0:.2f} s, "
+          f"total {sum(p2['holds']):.1f} s; the agent holds a re-occur {RECOVER_SETTLE_S:g} s after its recover)")
+    print("agent's ClusterD sink during the phase (outage included): "
+          + ", ".join(f"{k} {int(v)}" for k, v in p2["sink"].items()))
     min_requests = math.ceil(p2["owed"] / MAX_FAULTS)
     min_clusterd = max(0, min_requests - CLUSTERD_BURST)
     min_agent = max(0, min_requests - AGENT_REQUEST_BURST)
@@ -635,8 +643,10 @@ def report_outage(args, p2: dict) -> None:
     for fid in extra[:5]:
         print(f"  extra   {fid[:16]}..")
     if p2["reoccurs"]:
-        print(f"  {len(p2['reoccurs'])} accepted requests recover a fault and occur it again in the same request "
-              f"(ClusterD keeps the first occur, deletes it 5 s later and ignores the re-occur)")
+        in_requests = len({i for i, _ in p2["reoccurs"]})
+        print(f"  {len(p2['reoccurs'])} recover -> occur pairs of the same faultId inside one request, in {in_requests} "
+              f"of {len(accepted)} accepted requests (ClusterD defers the recover's deletion to 5 s after the stored "
+              f"occur and ignores the re-occur, so a fault whose last word is such an occur disappears)")
     print(f"assertion sequences (consecutive repeats collapsed): {len(p2['broken'])} faultIds do not alternate "
           f"occur/recover; requests rejected {sum(rejected.values())}, faults dropped {len(p2['dropped'])}, "
           f"410 (retried) {p2['codes'].get(410, 0)}")
@@ -646,9 +656,11 @@ def report_outage(args, p2: dict) -> None:
 
 
 def collapsed_tail(p2: dict, fid: str) -> str:
-    occ = [f.assertion for r in p2["accepted_requests"] for f in r.request.faults if f.faultId == fid]
-    seq = collapsed(occ)
-    return f"{len(occ)} sent during the drain, collapsed ...{','.join(seq[-4:])}"
+    sent = [f.assertion for r in p2["accepted_requests"] for f in r.request.faults if f.faultId == fid]
+    carrying = [r for r in p2["accepted_requests"] if any(f.faultId == fid for f in r.request.faults)]
+    last = [f.assertion for f in carrying[-1].request.faults if f.faultId == fid] if carrying else []
+    return (f"{len(sent)} transitions sent during the drain in {len(carrying)} requests; the last request carrying "
+            f"it ({len(last)} of them) ends {','.join(last[-4:])}")
 
 
 def report_fanout(args, one: dict, many: dict) -> None:
@@ -657,11 +669,12 @@ def report_fanout(args, one: dict, many: dict) -> None:
     rows = [(f"{one['subscribers']} subscriber (callback -> receipt)", one["latencies"]),
             (f"{many['subscribers']} subscribers (callback -> receipt)", many["latencies"])]
     latency_table(rows)
-    print(f"{'':44} {'changes delivered':>18} {'window':>9} {'changes/s':>10} {'per sub/s':>10} {'agent CPU':>10}")
+    print(f"{'':44} {'changes delivered':>18} {'window':>9} {'changes/s':>10} {'per sub/s':>10} {'agent CPU':>10} "
+          f"{'client CPU':>11}")
     for run in (one, many):
         name = f"{run['subscribers']} subscriber(s)"
         print(f"{name:44} {run['delivered']:>18} {run['window']:>8.2f}s {run['rate']:>10.0f} "
-              f"{run['rate'] / run['subscribers']:>10.1f} {run['cpu']:>9.2f}s")
+              f"{run['rate'] / run['subscribers']:>10.1f} {run['cpu']:>9.2f}s {run['client_cpu']:>10.2f}s")
     if many["per_sub_p99"]:
         print(f"per-subscriber p99 with {many['subscribers']}: {fmt(min(many['per_sub_p99']))} .. "
               f"{fmt(max(many['per_sub_p99']))}")
@@ -745,7 +758,8 @@ def main(argv=None) -> int:
         env = {"FAKE_DCMI_CARDS": str(args.cards), "FAKE_DCMI_CONTROL": str(workdir / "ctl.sock"),
                "FAKE_DCMI_TRACE": str(trace)}
         print(f"npu-node-agent delivery: {args.cards} fake NPUs, poll interval {args.poll_interval:g} s, "
-              f"ClusterD stand-in on 127.0.0.1:{standin.port} (1 request/s, burst {CLUSTERD_BURST})")
+              f"ClusterD stand-in on 127.0.0.1:{standin.port} (1 request/s, burst {CLUSTERD_BURST}); "
+              f"{psutil.cpu_count()} CPUs")
         agent = AgentProcess(workdir / "agent", config, env).start()
         wait_until(lambda: agent.http("/readyz")[0] == 200, 20, "agent /readyz 200")
         wait_until(lambda: metric_or_none(agent, "npu_agent_driver_events_subscribed") == 1, 10,

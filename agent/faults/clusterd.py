@@ -25,6 +25,7 @@ from google.protobuf.json_format import MessageToDict
 from agent._proto import pubfault_pb2 as pb
 from agent._proto import pubfault_pb2_grpc as pb_grpc
 from agent.config import ClusterdConfig
+from agent.faults.clusterd_batch import SETTLE_S, ClusterdView, plan
 from agent.faults.hub import Change
 from agent.faults.log import FaultLog
 from agent.faults.pubfault import (MAX_FAULTS_PER_REQUEST, PublicFault, fault_problems, public_faults,
@@ -35,7 +36,6 @@ log = logging.getLogger(__name__)
 
 SINK = "clusterd"
 CALL_DEADLINE_S = 5.0
-RECOVER_SETTLE_S = 5.5  # ClusterD deletes a recovered fault up to 5 s later; an occur before then is lost
 REQUESTS_PER_S, REQUEST_BURST = 1.0, 2
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 30.0
 CHANNEL_OPTIONS = [
@@ -44,6 +44,8 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_send_message_length", 4 * 1024 * 1024),
+    ("grpc.initial_reconnect_backoff_ms", 1_000),
+    ("grpc.max_reconnect_backoff_ms", 5_000),  # notice a returning ClusterD within seconds
 ]
 
 
@@ -61,8 +63,8 @@ class ClusterdSink:
         self._task: asyncio.Task | None = None
         self._channel: grpc.aio.Channel | None = None
         self._stub = None
-        self._acked: dict[str, PublicFault] = {}  # what ClusterD holds, as far as it acknowledged
-        self._recovered_at: dict[str, float] = {}  # monotonic time of each fault's last recover
+        self._view = ClusterdView()  # what ClusterD holds, as far as it acknowledged
+        self.coalesced = 0  # transitions ClusterD could not have represented (see clusterd_batch)
         self.counters: Counter[str] = Counter()  # requests by result
         self.last_success = 0.0
 
@@ -94,6 +96,10 @@ class ClusterdSink:
     def pending(self) -> int:
         return self._log.pending(SINK)
 
+    @property
+    def deferred(self) -> int:
+        return len(self._view.deferred)
+
     # ---- delivery -----------------------------------------------------------------------------
 
     def _desired(self, states) -> dict[str, PublicFault]:
@@ -105,18 +111,20 @@ class ClusterdSink:
     async def _run(self) -> None:
         cursor = self._log.cursor(SINK)
         acked_states = self._log.state_at(cursor) or {}
-        self._acked = self._desired(acked_states.values())
+        self._view = ClusterdView(held=self._desired(acked_states.values()),
+                                  unknown_before=self._last_run_recovers())
         log.info("clusterd sink starting", extra={"address": self._config.address, "resource": self._config.resource,
                                                   "cursor": cursor, "pending": self._log.pending(SINK),
-                                                  "active_public_faults": len(self._acked)})
+                                                  "active_public_faults": len(self._view.held)})
+        await self._let_previous_requests_land()
         # Reconcile: ClusterD may have lost what it had; occur for what is active is a harmless repeat.
-        active = list(self._acked.values())
+        active = list(self._view.held.values())
         for start in range(0, len(active), MAX_FAULTS_PER_REQUEST):
             await self._send_until_done([("occur", f) for f in active[start:start + MAX_FAULTS_PER_REQUEST]])
         while True:
             self._wakeup.clear()
             wait = await self._deliver_once()
-            if wait is None and self._log.pending(SINK) > 0:
+            if wait == 0:
                 continue
             try:
                 await asyncio.wait_for(self._wakeup.wait(), wait)
@@ -131,52 +139,55 @@ class ClusterdSink:
             log.error("clusterd cursor fell behind the fault log; resynchronising", extra={"cursor": cursor})
             latest = self._log.latest()
             wanted = self._desired(c.state for c in latest.values())
-            batch = [("recover", f) for fid, f in self._acked.items() if fid not in wanted]
+            batch = [("recover", f) for fid, f in self._view.held.items() if fid not in wanted]
             batch += [("occur", f) for f in wanted.values()]
             for start in range(0, len(batch), MAX_FAULTS_PER_REQUEST):
                 await self._send_until_done(batch[start:start + MAX_FAULTS_PER_REQUEST])
-            self._acked = wanted
+            self._view = ClusterdView(held=wanted, recovered_at=self._view.recovered_at)
             self._log.commit(SINK, self._log.revision)
             return None
-        if not changes:
+        if not changes and not self._view.deferred:
             return None
-        acked = dict(self._acked)
-        batch: list[tuple[str, PublicFault]] = []
-        last = cursor
-        wait = None
         now = time.monotonic()
-        for change in changes:
-            items = self._transitions(acked, change)
-            blocked = [f for a, f in items if a == "occur"
-                       and now - self._recovered_at.get(f.fault_id, -1e9) < RECOVER_SETTLE_S]
-            if blocked:
-                # Hold the whole stream (order per fault matters) until ClusterD has deleted the
-                # recovered fault; an occur sent earlier would be deleted with it.
-                wait = max(RECOVER_SETTLE_S - (now - self._recovered_at[f.fault_id]) for f in blocked)
-                break
-            if len(batch) + len(items) > MAX_FAULTS_PER_REQUEST:
-                break
-            for assertion, fault in items:
-                if assertion == "occur":
-                    acked[fault.fault_id] = fault
-                else:
-                    acked.pop(fault.fault_id, None)
-            batch += items
-            last = change.revision
-        if batch:
-            await self._send_until_done(batch)
-        self._acked = acked if last > cursor else self._acked
-        if last > cursor:
-            self._log.commit(SINK, last)
-        return wait
+        step = plan(self._view, cursor, changes, self._wanted, now)
+        if step.coalesced:
+            self.coalesced += step.coalesced
+            log.info("recover and re-occur of the same fault too close for ClusterD; coalesced", extra={
+                "transitions": step.coalesced, "deferred": len(step.view.deferred)})
+        if step.transitions:
+            await self._send_until_done(step.transitions)
+            acked = time.monotonic()
+            step.view.recovered_at = {fid: at for fid, at in step.view.recovered_at.items() if acked - at < SETTLE_S}
+            step.view.recovered_at.update((f.fault_id, acked) for a, f in step.transitions if a == "recover")
+        self._view = step.view
+        if step.last_revision > cursor:
+            self._log.commit(SINK, step.last_revision)
+            if self._log.pending(SINK) > 0:
+                return 0.0  # more than one request's worth was pending
+        return step.wait
 
-    def _transitions(self, acked: dict[str, PublicFault], change: Change) -> list[tuple[str, PublicFault]]:
-        device = change.state.phy_id
-        wanted = public_faults(self._node, change.state, self._config.public_codes)
-        had = {fid: f for fid, f in acked.items() if f.device == device}
-        items = [("recover", fault) for fid, fault in had.items() if fid not in wanted]
-        items += [("occur", fault) for fid, fault in wanted.items() if fid not in had]
-        return items
+    async def _let_previous_requests_land(self) -> None:
+        """A previous run that died in the middle of a send may have left its request in flight, and
+        ClusterD applies a request whatever the client's deadline: wait until that deadline has
+        passed, so the stale request cannot land after (and undo) this run's first one."""
+        if not self._log.pending(SINK):
+            return
+        last = max(self._log.previous_append_at or 0.0, self._log.previous_commit_at or 0.0)
+        hold = min(CALL_DEADLINE_S + 0.5, last + CALL_DEADLINE_S + 0.5 - time.time())
+        if hold > 0:
+            log.info("holding the first request until the previous run's last one has expired",
+                     extra={"seconds": round(hold, 2)})
+            await asyncio.sleep(hold)
+
+    def _last_run_recovers(self) -> float:
+        """Until when (monotonic) the previous run may have sent recovers: its last commit."""
+        committed = self._log.previous_commit_at
+        if committed is None:
+            return float("-inf")
+        return time.monotonic() - max(0.0, time.time() - committed)
+
+    def _wanted(self, change: Change) -> dict[str, PublicFault]:
+        return public_faults(self._node, change.state, self._config.public_codes)
 
     async def _send_until_done(self, batch: list[tuple[str, PublicFault]]) -> None:
         faults = []
@@ -206,16 +217,27 @@ class ClusterdSink:
             outcome = await self._call(request)
             if outcome == "sent":
                 self.last_success = self._clock()
-                now = time.monotonic()
-                for fault in faults:
-                    if fault.assertion == "recover":
-                        self._recovered_at[fault.faultId] = now
                 return
             if outcome == "rejected":
                 return
             attempt += 1
             backoff = random.uniform(0.5, min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** attempt))
-            await asyncio.sleep(backoff)
+            if outcome == "unreachable":
+                await self._sleep_until_connected(backoff)
+            else:
+                await asyncio.sleep(backoff)
+
+    async def _sleep_until_connected(self, seconds: float) -> None:
+        """Back off, but retry as soon as the channel connects again: ClusterD is back."""
+        async def connected() -> None:
+            state = self._channel.get_state(try_to_connect=True)
+            while state is not grpc.ChannelConnectivity.READY:
+                await self._channel.wait_for_state_change(state)
+                state = self._channel.get_state(try_to_connect=True)
+        try:
+            await asyncio.wait_for(connected(), seconds)
+        except TimeoutError:
+            pass
 
     async def _call(self, request: pb.PublicFaultRequest) -> str:
         try:
@@ -223,7 +245,9 @@ class ClusterdSink:
         except grpc.aio.AioRpcError as exc:
             self.counters["unavailable"] += 1
             self._log_transition("clusterd unreachable; retrying", code=exc.code().name, details=exc.details())
-            return "retry"
+            # A channel that is still connected (ClusterD answered with an error) would be "ready" at once.
+            connected = self._channel.get_state() is grpc.ChannelConnectivity.READY
+            return "retry" if connected else "unreachable"
         if reply.code == 0:
             self.counters["sent"] += 1
             self._log_transition("")

@@ -53,6 +53,13 @@ def _parse(line: bytes) -> dict:
     return json.loads(body)
 
 
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
 class FaultLog:
     def __init__(self, directory: Path, keep_recent: int = 4096, fsync: bool = True):
         self._dir = Path(directory)
@@ -68,6 +75,8 @@ class FaultLog:
         self._cursors: dict[str, int] = {}
         self._file = None
         self.truncated_bytes = 0
+        self.previous_commit_at: float | None = None  # wall-clock time of the last commit before open()
+        self.previous_append_at: float | None = None  # wall-clock time of the last append before open()
 
     # ---- opening ------------------------------------------------------------------------------
 
@@ -78,6 +87,8 @@ class FaultLog:
         if meta.get("epoch") != self.epoch:
             atomic_write(self._dir / "meta.json", json.dumps({"epoch": self.epoch}).encode())
         self._cursors = {k: int(v) for k, v in self._read_json(self._dir / "cursors.json").items()}
+        self.previous_commit_at = _mtime(self._dir / "cursors.json")
+        self.previous_append_at = _mtime(self._path)
         self._load()
         self._file = open(self._path, "ab")
 
