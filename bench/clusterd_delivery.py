@@ -454,6 +454,7 @@ def outage_phase(args, agent: AgentProcess, fake: FakeDcmiControl, watcher: Watc
     sink_results = ("sent", "unavailable", "rate_limited", "rejected", "invalid")
     sink0 = {r: metric_or_none(agent, "npu_agent_fault_reports_total", sink="clusterd", result=r) or 0
              for r in sink_results}
+    coalesced0 = metric_or_none(agent, "npu_agent_clusterd_coalesced_transitions_total") or 0
     standin.stop()
     outage_start = time.monotonic()
     for logic in churners:
@@ -542,6 +543,7 @@ def outage_phase(args, agent: AgentProcess, fake: FakeDcmiControl, watcher: Watc
     gaps = [b.at - a.at for a, b in zip(requests, requests[1:])]
     sink = {r: (metric_or_none(agent, "npu_agent_fault_reports_total", sink="clusterd", result=r) or 0) - sink0[r]
             for r in sink_results}
+    sink["coalesced transitions"] = (metric_or_none(agent, "npu_agent_clusterd_coalesced_transitions_total") or 0) - coalesced0
     return {
         "events": events, "injected_in": injected_in, "accepted": accepted, "limited": limited,
         "pending": pending, "changes_seen": len(records), "owed": owed, "net": net, "final": len(wanted),
