@@ -79,6 +79,7 @@ class ClusterdConfig:
 class KubernetesConfig:
     enabled: bool = False
     device_info_configmap: bool = False
+    watch_timeout_seconds: int = 300  # the server ends each watch after this; it is then resumed
 
 
 @dataclass
@@ -265,6 +266,8 @@ def validate(config: Config) -> list[str]:
     check(1 <= config.taskd_proxy.manager_port <= 65535, "taskd_proxy.manager_port", "is not a port number")
     check(not config.datatrace.enabled or config.kubernetes.enabled, "datatrace.enabled",
           "needs kubernetes.enabled")
+    check(1 <= config.kubernetes.watch_timeout_seconds <= 3600, "kubernetes.watch_timeout_seconds",
+          f"{config.kubernetes.watch_timeout_seconds} is out of range 1..3600")
     check(not config.kubernetes.device_info_configmap or config.kubernetes.enabled,
           "kubernetes.device_info_configmap", "needs kubernetes.enabled")
     return problems

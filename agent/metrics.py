@@ -147,7 +147,8 @@ class AgentCollector:
         yield info
 
 
-def make_registry(collector: AgentCollector) -> CollectorRegistry:
+def make_registry(*collectors) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
+    for collector in collectors:
+        registry.register(collector)
     return registry

@@ -22,7 +22,10 @@ from agent.faults.log import FaultLog
 from agent.faults.service import FaultService
 from agent.grpc_server import GrpcServer
 from agent.http import HttpEndpoint
+from agent.kube.client import core_api
 from agent.metrics import AgentCollector, make_registry
+from agent.profiling.datatrace_sync import DatatraceSync
+from agent.profiling.metrics import DatatraceCollector
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +116,16 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
         faults.listeners.append(configmap.notify)
         sinks.append(configmap)
     supervisor = Supervisor([])
-    collector = AgentCollector(config.node_name, monitor, faults, hub, fault_log, sinks,
-                               lambda: [(name, ok) for name, ok, _ in supervisor.states()])
-    http = HttpEndpoint(config.http.listen, make_registry(collector), supervisor.readiness)
+    collectors = [AgentCollector(config.node_name, monitor, faults, hub, fault_log, sinks,
+                                 lambda: [(name, ok) for name, ok, _ in supervisor.states()])]
+    profiling = []
+    if config.datatrace.enabled:
+        datatrace = DatatraceSync(Path(config.datatrace.root), config.node_name, core_api,
+                                  config.kubernetes.watch_timeout_seconds)
+        collectors.append(DatatraceCollector(config.node_name, datatrace))
+        profiling.append(datatrace)
+    http = HttpEndpoint(config.http.listen, make_registry(*collectors), supervisor.readiness)
     # Servers first, so /readyz and the stream answer while the driver is still being opened;
     # sinks before the sources that feed them.
-    supervisor.components = [http, grpc_server, *sinks, faults, monitor]
+    supervisor.components = [http, grpc_server, *sinks, faults, monitor, *profiling]
     return Agent(config, supervisor, hub, fault_log, faults, monitor, http, grpc_server, sinks)

@@ -7,8 +7,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.fakes.dcmi import FakeDcmiControl, build_fake_dcmi
+from tests.fakes.kube import KubeStandIn
 from tests.integration.harness import AgentProcess, wait_until
 
 CARDS = 8  # the fake's physical id is CARDS-1-logic
@@ -59,3 +61,16 @@ def start_agent(fake_libs, short_dir, tmp_path):
         agent.stop()
 
 
+
+
+@pytest.fixture
+def kube(tmp_path):
+    """A Kubernetes API stand-in and a kubeconfig pointing at it."""
+    with KubeStandIn() as standin:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "test",
+            "clusters": [{"name": "test", "cluster": {"server": standin.url}}],
+            "users": [{"name": "test", "user": {}}],
+            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}]}))
+        yield standin, str(kubeconfig)

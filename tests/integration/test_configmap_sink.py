@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import yaml
 
 from agent.gojson import check_code
 from tests.fakes.kube import KubeStandIn
@@ -13,18 +11,6 @@ from tests.integration.conftest import phy
 from tests.integration.harness import wait_until
 
 NAME = "mindx-dl-deviceinfo-test-node"
-
-
-@pytest.fixture
-def kube(tmp_path):
-    with KubeStandIn() as standin:
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "test",
-            "clusters": [{"name": "test", "cluster": {"server": standin.url}}],
-            "users": [{"name": "test", "user": {}}],
-            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}]}))
-        yield standin, str(kubeconfig)
 
 
 def device_list(standin: KubeStandIn) -> dict | None:

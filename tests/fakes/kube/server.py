@@ -519,7 +519,11 @@ class KubeStandIn:
     # -- lifecycle
 
     def start(self) -> "KubeStandIn":
+        """Start serving; after a stop(), on the same port with the same state (like a restarted API server)."""
+        with self._state.cond:
+            self._state.stopping = False
         self._httpd = _Server(self._address, self)
+        self._address = (self._address[0], self._httpd.server_address[1])
         # A short poll interval keeps stop() quick; shutdown() waits for one poll.
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="kube-standin", daemon=True)

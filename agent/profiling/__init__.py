@@ -1,0 +1,1 @@
+"""Profiling hostPaths: the datatrace switch files, the disk guard, step metrics."""

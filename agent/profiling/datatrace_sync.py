@@ -1,0 +1,109 @@
+"""The datatrace component: pods on this node + `data-trace-*` ConfigMaps -> switch files.
+
+Level-triggered: every change of either watch recomputes the whole desired state (a handful of
+jobs per node) and one writer pass makes the disk match it. Directories of jobs without a local
+pod are removed only once both watches have listed, so a restart never empties the tree first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+from agent.kube.client import KubeUnavailable
+from agent.kube.watch import ListWatch
+from agent.profiling.datatrace import PodInfo, SwitchConfigMap, desired, pod_info, switch_configmap
+from agent.profiling.switchfiles import ApplyResult, SwitchFiles
+
+log = logging.getLogger(__name__)
+
+CONFIGMAP_SELECTOR = "reset=true"
+
+
+class DatatraceSync:
+    name = "datatrace"
+
+    def __init__(self, root: Path, node: str, api_factory: Callable[[], object], watch_timeout_s: int = 300):
+        self._files = SwitchFiles(root)
+        self._node = node
+        self._api_factory = api_factory
+        self._watch_timeout_s = watch_timeout_s
+        self._pods: dict[tuple[str, str], PodInfo] = {}
+        self._configmaps: dict[tuple[str, str], SwitchConfigMap] = {}
+        self._watches: list[ListWatch] = []
+        self._dirty = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._rejected_seen: set[tuple[str, str]] = set()
+        self.rejected: Counter[str] = Counter()  # by kind: name, switch
+        self.last: ApplyResult = ApplyResult()
+        self.passes = 0
+        self._unavailable = ""
+
+    @property
+    def counters(self) -> Counter[str]:
+        return self._files.counters
+
+    @property
+    def watch_counters(self) -> dict[str, Counter[str]]:
+        return {w.name: w.counters for w in self._watches}
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            api = self._api_factory()
+        except KubeUnavailable as exc:
+            self._unavailable = str(exc)
+            log.error("datatrace sync cannot reach Kubernetes; switch files are not kept", extra={"error": str(exc)})
+            return
+        self._watches = [
+            ListWatch("pods", api.list_pod_for_all_namespaces, pod_info, self._pods_changed, loop,
+                      timeout_s=self._watch_timeout_s, field_selector=f"spec.nodeName={self._node}"),
+            ListWatch("configmaps", api.list_config_map_for_all_namespaces, switch_configmap,
+                      self._configmaps_changed, loop, timeout_s=self._watch_timeout_s,
+                      label_selector=CONFIGMAP_SELECTOR),
+        ]
+        for watch in self._watches:
+            watch.start()
+        self._task = asyncio.create_task(self._run(), name="datatrace")
+        log.info("datatrace sync started", extra={"root": str(self._files.root), "node": self._node})
+
+    async def stop(self) -> None:
+        for watch in self._watches:
+            watch.stop()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    def readiness(self) -> tuple[bool, str]:
+        if self._unavailable:
+            return False, self._unavailable
+        waiting = [w.name for w in self._watches if not w.synced]
+        return (False, f"waiting for the first list of {', '.join(waiting)}") if waiting else (True, "")
+
+    def _pods_changed(self, pods: dict) -> None:
+        self._pods = pods
+        self._dirty.set()
+
+    def _configmaps_changed(self, configmaps: dict) -> None:
+        self._configmaps = configmaps
+        self._dirty.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            want = desired(list(self._pods.values()), self._configmaps)
+            for what, why in want.rejected:
+                if (what, why) not in self._rejected_seen:  # once per problem while it lasts, not per pass
+                    self.rejected["switch" if what.startswith("configmap") else "name"] += 1
+                    log.error("profiling switch not flushed", extra={"object": what, "reason": why})
+            self._rejected_seen = set(want.rejected)
+            synced = all(w.synced for w in self._watches)
+            self.last = await asyncio.to_thread(self._files.apply, want.directories, synced)
+            self.passes += 1
