@@ -86,6 +86,7 @@ class KubernetesConfig:
 class ProfilingConfig:
     root: str = "/user/cluster-info/profiling"
     disk_limit_mb: int = 5000
+    disk_guard: bool = True  # the node-level owner of disk_limit_mb (TaskD workers each walk the tree otherwise)
     metrics: bool = True
 
 

@@ -19,7 +19,9 @@ import yaml
 
 from agent.config import config_from_dict, load_config
 from agent.demo_clusterd import DemoClusterd
+from agent.demo_job import DemoJob, disk_summary
 from agent.faults.hub import Change, Snapshot
+from agent.profiling.disk import DiskGuard
 
 # Times in seconds from the start; the scenario repeats every 60 s.
 SCENARIO = {
@@ -51,6 +53,9 @@ CUSTOMIZATION = {
 }
 
 
+DEMO_DISK_LIMIT_MB = 1
+
+
 def _free(host: str, port: int) -> bool:
     with socket.socket() as probe:
         try:
@@ -75,6 +80,8 @@ def write_demo_files(workdir: Path, clusterd_port: int = 0) -> Path:
         "devices": {"backend": "simulated", "poll_interval_seconds": 2,
                     "simulated": {"devices": 8, "chip_name": "910B3", "scenario": str(workdir / "scenario.yaml")}},
         "faults": {"customization_file": str(workdir / "customization.json")},
+        # A simulated job writes profiling records here; the small limit puts the disk guard to work.
+        "profiling": {"root": str(workdir / "profiling"), "disk_limit_mb": DEMO_DISK_LIMIT_MB},
     }
     if clusterd_port:
         config["clusterd"] = {"enabled": True, "address": f"127.0.0.1:{clusterd_port}"}
@@ -106,6 +113,7 @@ def run_demo(duration: float, workdir: str | None) -> int:
 
     async def main() -> int:
         stop = asyncio.Event()
+        tasks: list[asyncio.Task] = []
         clusterd = DemoClusterd(set(config_from_dict({}).clusterd.public_codes.values()), say)
         await clusterd.start()
         config_path = write_demo_files(root, clusterd.port)
@@ -118,9 +126,24 @@ def run_demo(duration: float, workdir: str | None) -> int:
                   f"  readiness:    http://127.0.0.1:{http}/readyz\n"
                   f"  fault stream: npu-node-agent faults --target 127.0.0.1:{grpc_port} --follow\n"
                   f"  ClusterD:     a demo ClusterD on 127.0.0.1:{clusterd.port} prints the public faults it receives\n"
+                  f"  profiling:    a simulated job (4 ranks) writes records under {root / 'profiling'}; the disk guard\n"
+                  f"                keeps it under {DEMO_DISK_LIMIT_MB} MiB (npu_agent_profiling_disk_usage_bytes, ..._files_aged_total)\n"
                   f"  files:        {root}  (config.yaml, scenario.yaml, customization.json, agent.log)\n"
                   f"  run it again: npu-node-agent run --config {config_path}\n", flush=True)
             asyncio.create_task(watch(agent))
+            guard = next((c for c in agent.profiling if isinstance(c, DiskGuard)), None)
+            if guard is not None:
+                tasks.append(asyncio.create_task(DemoJob(guard.root).run()))
+                tasks.append(asyncio.create_task(watch_disk(guard)))
+
+        async def watch_disk(guard: DiskGuard) -> None:
+            seen = guard.files_aged
+            while True:
+                await asyncio.sleep(0.2)
+                if guard.files_aged != seen:
+                    say(f"disk guard: over {DEMO_DISK_LIMIT_MB} MiB -> aged {guard.files_aged - seen} oldest record "
+                        f"file(s); profiling now {guard.usage_bytes / 2**20:.2f} MiB ({disk_summary(guard.root)})")
+                    seen = guard.files_aged
 
         async def watch(agent) -> None:
             subscription = agent.hub.subscribe()
@@ -144,6 +167,8 @@ def run_demo(duration: float, workdir: str | None) -> int:
         try:
             code = await serve(config, stop=stop, on_started=on_started)
         finally:
+            for task in tasks:
+                task.cancel()
             await clusterd.stop()
         if tty:
             print()

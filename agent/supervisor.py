@@ -25,12 +25,14 @@ from agent.http import HttpEndpoint
 from agent.kube.client import core_api
 from agent.metrics import AgentCollector, make_registry
 from agent.profiling.datatrace_sync import DatatraceSync
-from agent.profiling.metrics import DatatraceCollector
+from agent.profiling.disk import DiskGuard
+from agent.profiling.metrics import DatatraceCollector, DiskGuardCollector
 
 log = logging.getLogger(__name__)
 
-STOP_BUDGET_S = 8.0
-HUB_KEEP = 4096  # changes kept in memory for stream subscribers that resume  # SIGTERM to exit within 10 s, with room for the interpreter to wind down
+STOP_BUDGET_S = 8.0  # SIGTERM to exit within 10 s, with room for the interpreter to wind down
+HUB_KEEP = 4096  # changes kept in memory for stream subscribers that resume
+MIB = 1 << 20  # TaskD's "MB" is a MiB
 
 
 class Component(Protocol):
@@ -82,6 +84,7 @@ class Agent:
     http: HttpEndpoint
     grpc: GrpcServer
     sinks: list
+    profiling: list
 
 
 def make_backend(config: Config, clock: Callable[[], float] = time.time) -> DeviceBackend:
@@ -119,6 +122,10 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
     collectors = [AgentCollector(config.node_name, monitor, faults, hub, fault_log, sinks,
                                  lambda: [(name, ok) for name, ok, _ in supervisor.states()])]
     profiling = []
+    if config.profiling.disk_guard:
+        guard = DiskGuard(Path(config.profiling.root), config.profiling.disk_limit_mb * MIB)
+        collectors.append(DiskGuardCollector(config.node_name, guard))
+        profiling.append(guard)
     if config.datatrace.enabled:
         datatrace = DatatraceSync(Path(config.datatrace.root), config.node_name, core_api,
                                   config.kubernetes.watch_timeout_seconds)
@@ -128,4 +135,4 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
     # Servers first, so /readyz and the stream answer while the driver is still being opened;
     # sinks before the sources that feed them.
     supervisor.components = [http, grpc_server, *sinks, faults, monitor, *profiling]
-    return Agent(config, supervisor, hub, fault_log, faults, monitor, http, grpc_server, sinks)
+    return Agent(config, supervisor, hub, fault_log, faults, monitor, http, grpc_server, sinks, profiling)

@@ -42,6 +42,7 @@ class AgentProcess:
         self.workdir = workdir
         self.config_path = workdir / "agent.yaml"
         base = {"node_name": "test-node", "state_dir": str(workdir / "state"),
+                "profiling": {"root": str(workdir / "profiling")},
                 "log": {"level": "debug", "format": "json"},
                 "http": {"listen": "127.0.0.1:0"}, "grpc": {"listen": "127.0.0.1:0"}}
         for key, value in config.items():

@@ -137,6 +137,7 @@ def test_demo_shows_faults_appearing_escalating_and_clearing(tmp_path):
     assert "ClusterD <- occur   020011001 NPU1 SeparateNPU" in out  # delivered to the demo ClusterD
     assert "ClusterD <- recover 020011001 NPU1 SeparateNPU" in out
     assert "DROPPED" not in out
+    assert "disk guard: over 1 MiB -> aged 4 oldest record file(s)" in out  # the simulated job's records
     assert time.monotonic() - started < 40
     assert (tmp_path / "demo" / "config.yaml").is_file()
     assert cli("check-config", str(tmp_path / "demo" / "config.yaml")).returncode == 0
