@@ -70,13 +70,15 @@ class DeviceInfoConfigMapSink:
     async def _run(self) -> None:
         failures = 0
         while True:
+            # Cleared before the state is read, not after the write: a change that arrives while
+            # the write is in flight must wake the next round, not wait for the heartbeat.
+            self._wakeup.clear()
             wait = await self._write_if_due()
             if wait is None:  # the write failed
                 failures += 1
                 wait = RETRY_S[min(failures, len(RETRY_S)) - 1]
             else:
                 failures = 0
-            self._wakeup.clear()
             try:
                 await asyncio.wait_for(self._wakeup.wait(), wait)
             except TimeoutError:
