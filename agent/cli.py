@@ -30,7 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--config", help="YAML configuration file (every key optional)")
 
     demo = commands.add_parser("demo", help="the whole agent on a simulated 8-NPU node with scripted faults")
-    demo.add_argument("--duration", type=float, default=60.0, help="seconds to run (0: until Ctrl-C); default 60")
+    demo.add_argument("--duration", type=float, default=100.0, help="seconds to run (0: until Ctrl-C); default 100")
+    demo.add_argument("--slow-after", type=float, default=60.0, metavar="S",
+                      help="seconds until rank 5 of the simulated training job gets 15 %% slower; default 60")
     demo.add_argument("--workdir", help="where the demo writes its configuration, state and log (default: a new temp dir)")
 
     check = commands.add_parser("check-config", help="validate a configuration file and the rule files it names")
@@ -142,7 +144,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None, backend=None,
 def cmd_demo(args) -> int:
     from agent.demo import run_demo
 
-    return run_demo(args.duration, args.workdir)
+    return run_demo(args.duration, args.workdir, args.slow_after)
 
 
 def cmd_faults(args) -> int:

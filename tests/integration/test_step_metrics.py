@@ -1,0 +1,130 @@
+"""Step-latency metrics end to end: TaskD-format files written live while the real agent runs; /metrics scraped."""
+
+from __future__ import annotations
+
+import time
+
+from agent.demo_job import DemoJob
+from agent.profiling.synthetic import RankTiming
+from tests.integration.harness import wait_until
+
+JOB = "0f4c1ad2-job-uid"
+FILE = "1800000000"
+STEP_S = 0.5
+
+
+class Writer:
+    """Four ranks of one job in two pipeline stages, writing steps as TaskD would, split mid-line."""
+
+    def __init__(self, root):
+        self.job = DemoJob(root, job_id=JOB, ranks=4, stages=2, step_s=STEP_S, slow_after_s=10**9, started=1.8e9)
+        self.job.prepare()
+        self.step, self.start_s = 1, 1.8e9
+        self.pending = [""] * 4
+
+    def steps(self, count: int, slow_rank: int | None = None) -> None:
+        for _ in range(count):
+            timings = self.job.model.step(self.step)
+            if slow_rank is not None:
+                slow = timings[slow_rank]
+                extra = slow.forward_s * 0.3
+                timings = [RankTiming(t.rank, t.duration_s + extra, t.forward_s + (extra if t.rank == slow_rank else 0),
+                                      t.dataloader_s, 0.0) for t in timings]
+            for t in timings:
+                self.pending[t.rank] += "".join(self.job.records(t, self.step, self.start_s))
+            self.start_s += max(t.duration_s for t in timings)
+            self.step += 1
+
+    def flush(self, keep_partial: bool = False) -> None:
+        """Append what is pending; with keep_partial, hold back the second half of the last line."""
+        for rank, text in enumerate(self.pending):
+            cut = len(text) - 40 if keep_partial and text else len(text)
+            self.job.append(rank, FILE, text[:cut])
+            self.pending[rank] = text[cut:]
+
+
+def steps_counted(agent, rank: int) -> float | None:
+    return agent.metric("training_steps_completed_total", namespace="", job_name="", job_id=JOB, rank=rank,
+                        pp_stage=rank // 2)
+
+
+def test_live_records_become_step_metrics_a_slow_rank_is_flagged_and_a_restart_counts_nothing_twice(
+        start_agent, tmp_path):
+    root = tmp_path / "profiling"
+    writer = Writer(root)
+    agent, _ = start_agent(profiling={"root": str(root)})
+
+    writer.steps(30)
+    writer.flush(keep_partial=True)  # a write may end inside a line
+    writer.steps(50)
+    writer.flush()
+    wait_until(lambda: all(steps_counted(agent, r) == 80 for r in range(4)), 10, "80 steps of every rank")
+    labels = dict(namespace="", job_name="", job_id=JOB, rank=3, pp_stage=1)
+    assert agent.metric("training_step_duration_seconds_count", clock="device", **labels) == 80
+    total = agent.metric("training_step_duration_seconds_sum", clock="device", **labels)
+    assert 80 * STEP_S * 0.95 < total < 80 * STEP_S * 1.05
+    assert agent.metric("training_phase_duration_seconds_count", phase="forward", **labels) == 80
+    assert abs(agent.metric("training_step_last_completed_timestamp_seconds", **labels) - writer.start_s) < 0.01
+    assert 0.95 * STEP_S < agent.metric("training_step_baseline_seconds", **labels) < 1.05 * STEP_S
+    assert agent.metric("training_rank_slow", reason="compute", **labels) == 0
+    assert agent.metric("training_profiling_records_total", job_id=JOB, rank=3) == 80 * 14
+
+    # Bad lines are counted by reason and skipped; the steps around them still count.
+    writer.job.append(0, FILE, "this is not json\n" + '{"Kind":1,"Flag":"2"}\n')
+    writer.steps(5)
+    writer.flush()
+    wait_until(lambda: steps_counted(agent, 0) == 85, 10, "steps after the bad lines")
+    assert agent.metric("training_profiling_parse_errors_total", reason="not_json") == 1
+    assert agent.metric("training_profiling_parse_errors_total", reason="missing_field") == 1
+
+    # Rank 2's forward 30 % slower: flagged on its third slow step, the others not.
+    onset = time.monotonic()
+    writer.steps(4, slow_rank=2)
+    writer.flush()
+    wait_until(lambda: agent.metric("training_rank_slow", namespace="", job_name="", job_id=JOB, rank=2, pp_stage=1,
+                                    reason="compute") == 1, 10, "rank 2 flagged")
+    assert time.monotonic() - onset < 5
+    for rank in (0, 1, 3):
+        assert agent.metric("training_rank_slow", namespace="", job_name="", job_id=JOB, rank=rank,
+                            pp_stage=rank // 2, reason="compute") == 0
+    wait_until(lambda: all(steps_counted(agent, r) == 89 for r in range(4)), 10, "89 steps")
+
+    # Restart: what was written while the agent was down is counted once, what it had counted is not again.
+    agent.stop()
+    writer.steps(7)
+    writer.flush()
+    agent, _ = start_agent(profiling={"root": str(root)})
+    writer.steps(3)
+    writer.flush()
+    wait_until(lambda: all(steps_counted(agent, r) == 10 for r in range(4)), 10, "the 10 new steps of every rank")
+    deadline = time.monotonic() + 1.0  # and they stay there: no late duplicate
+    while time.monotonic() < deadline:
+        assert all(steps_counted(agent, r) == 10 for r in range(4))
+
+
+def test_series_carry_the_namespace_and_job_name_of_the_local_pods(start_agent, kube, tmp_path):
+    # The directory is named by MINDX_TASK_ID (the job's UID): a pod that sets it literally, or
+    # whose controller has that UID, names the job; its job label gives the name.
+    standin, kubeconfig = kube
+    root = tmp_path / "profiling"
+    standin.put({"kind": "Pod", "metadata": {"namespace": "team-a", "name": "llama-0",
+                                             "labels": {"volcano.sh/job-name": "llama"}},
+                 "spec": {"nodeName": "test-node", "containers": [
+                     {"name": "train", "image": "t:1", "env": [{"name": "MINDX_TASK_ID", "value": JOB}]}]}})
+    standin.put({"kind": "Pod", "metadata": {"namespace": "team-b", "name": "gpt-0", "ownerReferences": [
+        {"apiVersion": "batch.volcano.sh/v1alpha1", "kind": "Job", "name": "gpt", "uid": "uid-gpt",
+         "controller": True}]}, "spec": {"nodeName": "test-node", "containers": [{"name": "t", "image": "t:1"}]}})
+    agent, _ = start_agent(kubernetes={"enabled": True}, profiling={"root": str(root)},
+                           env={"KUBECONFIG": kubeconfig})
+    writer = Writer(root)
+    other = DemoJob(root, job_id="uid-gpt", ranks=2, stages=1, step_s=STEP_S, started=1.8e9)
+    other.prepare()
+    writer.steps(3)
+    writer.flush()
+    for timing in other.model.step(1):
+        other.append(timing.rank, FILE, "".join(other.records(timing, 1, 1.8e9)))
+    wait_until(lambda: agent.metric("training_steps_completed_total", namespace="team-a", job_name="llama",
+                                    job_id=JOB, rank=0, pp_stage=0) == 3, 10, "llama's steps with its labels")
+    wait_until(lambda: agent.metric("training_steps_completed_total", namespace="team-b", job_name="gpt",
+                                    job_id="uid-gpt", rank=1, pp_stage=0) == 1, 10, "gpt's step with its labels")
+    assert agent.metric("training_node_slow", namespace="team-a", job_name="llama", job_id=JOB, reason="ranks") == 0

@@ -1,0 +1,585 @@
+"""The chart's Prometheus rules and Grafana dashboard, and the renderer of the dashboard's picture.
+
+Every PromQL expression is parsed with promql-parser, the Rust parser of the Prometheus grammar, which
+is in the `test` extra. The tests walk its syntax tree. Every selector must name a series the agent
+exports (the metric contract below) or a recording rule of the rule file. Every label in a
+matcher, `by`, `on`, `group_left` or template must exist on the series at that point of the
+expression. Vector matching without `on`/`ignoring` must compare identical label sets, or it
+silently matches nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from datetime import timedelta
+
+import promql_parser as pq
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+FILES = REPO / "helm" / "npu-node-agent" / "files"
+RULES = FILES / "prometheus-rules.yaml"
+DASHBOARD = FILES / "grafana-dashboard.json"
+
+# ---------------------------------------------------------------------------------------------
+# The metric contract (slownode.md §9, as the agent exports it).
+
+PER_RANK = frozenset({"node", "namespace", "job_name", "job_id", "rank", "pp_stage"})
+METRICS: dict[str, tuple[str, frozenset[str]]] = {
+    "training_step_duration_seconds": ("histogram", PER_RANK | {"clock"}),
+    "training_step_last_duration_seconds": ("gauge", PER_RANK),
+    "training_step_last_completed_timestamp_seconds": ("gauge", PER_RANK),
+    "training_steps_completed_total": ("counter", PER_RANK),
+    "training_phase_duration_seconds": ("histogram", PER_RANK | {"phase"}),
+    "training_step_baseline_seconds": ("gauge", PER_RANK),
+    "training_rank_slowdown_ratio": ("gauge", PER_RANK),
+    "training_rank_compute_seconds": ("gauge", PER_RANK),
+    "training_rank_slow": ("gauge", PER_RANK | {"reason"}),
+    "training_node_slow": ("gauge", frozenset({"node", "namespace", "job_name", "job_id", "reason"})),
+    "training_slow_detections_total": ("counter", PER_RANK | {"reason"}),
+    "training_profiling_records_total": ("counter", frozenset({"node", "job_id", "rank"})),
+    "training_profiling_parse_errors_total": ("counter", frozenset({"node", "reason"})),
+    "training_profiling_lag_seconds": ("gauge", frozenset({"node", "job_id", "rank"})),
+}
+VALUES: dict[tuple[str, str], set[str]] = {
+    ("training_step_duration_seconds", "clock"): {"device", "host"},
+    ("training_phase_duration_seconds", "phase"): {"forward", "dataloader", "save_checkpoint"},
+    ("training_rank_slow", "reason"): {"temporal", "compute", "io"},
+    ("training_slow_detections_total", "reason"): {"temporal", "compute", "io"},
+    ("training_node_slow", "reason"): {"ranks", "host"},
+}
+
+
+def exported_series() -> dict[str, tuple[str, frozenset[str]]]:
+    """Series name -> (metric name, labels): a histogram is its _bucket (with le), _sum and _count."""
+    series = {}
+    for name, (kind, labels) in METRICS.items():
+        if kind == "histogram":
+            series[name + "_bucket"] = (name, labels | {"le"})
+            series[name + "_sum"] = (name, labels)
+            series[name + "_count"] = (name, labels)
+        else:
+            series[name] = (name, labels)
+    return series
+
+
+SERIES = exported_series()
+SCALAR_FUNCTIONS = {"time", "scalar", "pi", "minute", "hour", "day_of_week", "day_of_month", "days_in_month",
+                    "month", "year"}
+DURATION = re.compile(r"^(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?$")
+GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__interval_ms", "__range_s", "__range_ms"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Label flow through a PromQL syntax tree.
+
+class Checker:
+    """Works out the labels of each sub-expression and collects what is wrong with them."""
+
+    def __init__(self, recorded: dict[str, frozenset[str]]):
+        self.recorded = recorded
+        self.problems: list[str] = []
+        self.names: set[str] = set()
+        self.numbers: set[float] = set()
+
+    def labels(self, node) -> frozenset[str] | None:
+        """The labels of the result, None for a scalar."""
+        kind = type(node).__name__
+        if kind == "NumberLiteral":
+            self.numbers.add(node.val)
+            return None
+        if kind == "StringLiteral":
+            return None
+        if kind == "VectorSelector":
+            return self.selector(node)
+        if kind == "MatrixSelector":
+            return self.selector(node.vector_selector)
+        if kind in ("ParenExpr", "UnaryExpr", "SubqueryExpr"):
+            return self.labels(node.expr)
+        if kind == "AggregateExpr":
+            return self.aggregate(node)
+        if kind == "Call":
+            return self.call(node)
+        if kind == "BinaryExpr":
+            return self.binary(node)
+        self.problems.append(f"unexpected expression {kind}")
+        return frozenset()
+
+    def selector(self, node) -> frozenset[str]:
+        matchers = {m.name: m for m in node.matchers.matchers}
+        name = node.name or (matchers["__name__"].value if "__name__" in matchers else None)
+        if name is None:
+            self.problems.append(f"selector without a metric name: {node}")
+            return frozenset()
+        self.names.add(name)
+        if name in SERIES:
+            metric, labels = SERIES[name]
+        elif name in self.recorded:
+            metric, labels = name, self.recorded[name]
+        else:
+            self.problems.append(f"unknown metric {name!r}")
+            return frozenset()
+        for label, matcher in matchers.items():
+            if label == "__name__":
+                continue
+            if label not in labels:
+                self.problems.append(f"{name} has no label {label!r}")
+            allowed = VALUES.get((metric, label))
+            if allowed and str(matcher.op) == "MatchOp.Equal" and matcher.value not in allowed:
+                self.problems.append(f"{name}{{{label}={matcher.value!r}}}: not one of {sorted(allowed)}")
+        return labels
+
+    def aggregate(self, node) -> frozenset[str]:
+        inner = self.labels(node.expr)
+        if node.param is not None:
+            self.labels(node.param)
+        op = str(node.op)
+        if inner is None:
+            self.problems.append(f"{op} of a scalar")
+            return frozenset()
+        if op in ("topk", "bottomk", "limitk", "limit_ratio"):
+            return inner
+        modifier = node.modifier
+        if modifier is None:
+            grouping = frozenset()
+        else:
+            named = frozenset(modifier.labels)
+            if not named <= inner:
+                self.problems.append(f"{op} by/without {sorted(named - inner)}: not labels of its argument {sorted(inner)}")
+            grouping = named & inner if str(modifier.type).endswith("By") else inner - named
+        if op == "count_values":
+            grouping |= {node.param.val}
+        return grouping
+
+    def call(self, node) -> frozenset[str] | None:
+        name = node.func.name
+        args = [self.labels(a) for a in node.args]
+        vectors = [a for a in args if a is not None]
+        if name in SCALAR_FUNCTIONS and not vectors:
+            return None
+        if name == "scalar":
+            return None
+        if name == "vector":
+            return frozenset()
+        if name == "histogram_quantile":
+            if "le" not in args[1]:
+                self.problems.append("histogram_quantile of series without le")
+            return args[1] - {"le"}
+        if name == "label_replace":
+            return args[0] | {node.args[1].val}
+        return vectors[0] if vectors else None
+
+    def binary(self, node) -> frozenset[str] | None:
+        left, right = self.labels(node.lhs), self.labels(node.rhs)
+        op = str(node.op)
+        if left is None or right is None:
+            return right if left is None else left
+        modifier = node.modifier
+        matching = modifier.matching if modifier is not None else None
+        on = frozenset(matching.labels) if matching is not None else None
+        include = matching is not None and str(matching.type).endswith("Include")
+        if on is not None:
+            for side, labels in (("left", left), ("right", right)):
+                if include and not on <= labels:
+                    self.problems.append(f"{op} on {sorted(on - labels)}: not labels of its {side} side {sorted(labels)}")
+        if op in ("and", "unless"):
+            return left
+        if op == "or":
+            return left & right
+        card = str(modifier.card) if modifier is not None else "VectorMatchCardinality.OneToOne"
+        group = frozenset(modifier.group_labels or ()) if modifier is not None else frozenset()
+        if matching is None:
+            if left != right:
+                self.problems.append(f"{op} between different label sets {sorted(left)} and {sorted(right)} "
+                                     "without on()/ignoring(): nothing matches")
+            return left
+        # The "one" side must have one series per match group, or Prometheus fails the query at run
+        # time ("many-to-many matching not allowed"). Here that means it has no labels beyond on()
+        # and the group_left/right ones (stricter than needed in general, always true in these files).
+        if card.endswith("ManyToOne"):
+            if not group <= right:
+                self.problems.append(f"group_left {sorted(group - right)}: not labels of the right side")
+            if include and not right <= on | group:
+                self.problems.append(f"group_left on {sorted(on)}: the right side has more labels {sorted(right)}")
+            return left | group
+        if card.endswith("OneToMany"):
+            if not group <= left:
+                self.problems.append(f"group_right {sorted(group - left)}: not labels of the left side")
+            if include and not left <= on | group:
+                self.problems.append(f"group_right on {sorted(on)}: the left side has more labels {sorted(left)}")
+            return right | group
+        return on if include else left - on
+
+
+def duration(text: str) -> timedelta:
+    """A rule file's duration (Prometheus' model.Duration: "0s" too, unlike a PromQL range)."""
+    match = DURATION.match(str(text))
+    assert text != "" and match, f"not a duration: {text!r}"
+    y, w, d, h, m, s, ms = (int(g or 0) for g in match.groups())
+    value = timedelta(days=365 * y + 7 * w + d, hours=h, minutes=m, seconds=s, milliseconds=ms)
+    if value > timedelta(0):
+        assert pq.parse_duration(text) == value, text
+    return value
+
+
+def parse(expr: str):
+    try:
+        return pq.parse(expr)
+    except ValueError as exc:
+        pytest.fail(f"PromQL does not parse ({exc}): {expr}")
+
+
+def check(expr: str, recorded: dict[str, frozenset[str]]) -> tuple[frozenset[str] | None, Checker]:
+    checker = Checker(recorded)
+    labels = checker.labels(parse(expr))
+    return labels, checker
+
+
+def test_the_checker_catches_what_it_is_for():
+    """The checks below pass because the files are right, not because the checker sees nothing."""
+    cases = {
+        "training_rank_compute_second": "unknown metric",
+        "training_step_duration_seconds": "unknown metric",  # a histogram has no bare series
+        "sum by (stage) (training_rank_compute_seconds)": "not labels of its argument",
+        'training_rank_slow{reason="host"}': "not one of",
+        'training_node_slow{rank="1"}': "has no label",
+        "training_rank_compute_seconds / on (job_id, pp_stage) group_left training_node_slow": "not labels of its right side",
+        "training_rank_compute_seconds / on (job_id) group_left (rank) training_node_slow": "group_left ['rank']",
+        "training_rank_compute_seconds / sum by (job_id) (training_rank_compute_seconds)": "nothing matches",
+        "histogram_quantile(0.5, training_rank_compute_seconds)": "without le",
+        "training_rank_compute_seconds / on (job_id) group_left training_rank_compute_seconds": "has more labels",
+    }
+    for expr, message in cases.items():
+        _, checker = check(expr, {})
+        assert any(message in p for p in checker.problems), (expr, checker.problems)
+    labels, checker = check("histogram_quantile(0.5, sum by (le, rank) (rate(training_step_duration_seconds_bucket[1m])))", {})
+    assert checker.problems == [] and labels == {"rank"}
+    labels, checker = check("x / on (job_id) group_left (job_name) max by (job_id, job_name) (training_node_slow)",
+                            {"x": frozenset({"job_id", "rank"})})
+    assert checker.problems == [] and labels == {"job_id", "rank", "job_name"}
+    labels, _ = check("training_rank_slow > on (rank) training_rank_compute_seconds", {})
+    assert labels == {"rank"}  # one-to-one matching with on() keeps only those labels
+    with pytest.raises(pytest.fail.Exception):
+        parse("sum(rate(training_steps_completed_total[5m])")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rules
+
+TEMPLATE_LABEL = re.compile(r"\$labels\.([A-Za-z_][A-Za-z0-9_]*)")
+RECORD_NAME = re.compile(r"^[a-z_]+:[a-z_]+[a-z0-9_]*:[a-z0-9_]+$")
+
+
+@pytest.fixture(scope="module")
+def rules() -> dict:
+    with open(RULES) as f:
+        document = yaml.safe_load(f)
+    assert isinstance(document, dict) and set(document) == {"groups"}, "a rule file has only `groups:`"
+    return document
+
+
+@pytest.fixture(scope="module")
+def recorded(rules) -> dict[str, frozenset[str]]:
+    """Recording rule -> its labels, worked out in file order: a rule may use only the ones above it
+    (Prometheus runs a group's rules in order, so later ones see the fresh results)."""
+    recorded: dict[str, frozenset[str]] = {}
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if "record" in rule:
+                labels, checker = check(rule["expr"], recorded)
+                assert checker.problems == [], (rule["record"], checker.problems)
+                assert labels is not None, f"{rule['record']} records a scalar"
+                recorded[rule["record"]] = labels
+    return recorded
+
+
+def all_rules(rules):
+    return [rule for group in rules["groups"] for rule in group["rules"]]
+
+
+def test_groups_and_rules_have_the_required_keys(rules):
+    names = [g.get("name") for g in rules["groups"]]
+    assert names and all(isinstance(n, str) and n for n in names) and len(set(names)) == len(names)
+    for group in rules["groups"]:
+        assert set(group) <= {"name", "interval", "rules", "limit", "query_offset"}, group["name"]
+        assert isinstance(group["rules"], list) and group["rules"], group["name"]
+        if "interval" in group:
+            assert duration(group["interval"]) > timedelta(0)
+        for rule in group["rules"]:
+            assert ("record" in rule) != ("alert" in rule), rule
+            assert isinstance(rule.get("expr"), str) and rule["expr"].strip(), rule
+            if "record" in rule:
+                assert set(rule) <= {"record", "expr", "labels"}, rule["record"]
+            else:
+                assert set(rule) <= {"alert", "expr", "for", "keep_firing_for", "labels", "annotations"}, rule["alert"]
+
+
+def test_recording_rules_follow_the_naming_convention_and_the_spatial_rule(rules, recorded):
+    records = [r["record"] for r in all_rules(rules) if "record" in r]
+    assert len(records) == len(set(records))
+    for name in records:
+        assert RECORD_NAME.match(name), f"{name}: level:metric:operations"
+        assert name not in SERIES
+    stage = frozenset({"job_id", "pp_stage"})
+    for q, name in ((0.5, "median"), (0.25, "q25"), (0.75, "q75")):
+        record = f"job_id_pp_stage:training_rank_compute_seconds:{name}"
+        assert recorded[record] == stage
+        rule = next(r for r in all_rules(rules) if r.get("record") == record)
+        tree = pq.parse(rule["expr"])
+        assert type(tree).__name__ == "AggregateExpr" and str(tree.op) == "quantile"
+        assert tree.param.val == q and tree.expr.name == "training_rank_compute_seconds"
+        assert sorted(tree.modifier.labels) == ["job_id", "pp_stage"]
+    assert recorded["job_id_pp_stage:training_rank_compute_seconds:robust_sigma"] == stage
+    for per_rank in ("ratio_to_stage_median", "robust_z", "outlier"):
+        assert recorded[f"rank:training_rank_compute_seconds:{per_rank}"] == PER_RANK
+    _, checker = check(next(r for r in all_rules(rules) if r.get("record", "").endswith(":robust_sigma"))["expr"], recorded)
+    assert {1.349, 0.01} <= checker.numbers  # IQR / 1.349, floored at 1 % of the median
+
+
+def test_every_expression_names_only_exported_metrics_or_recording_rules(rules, recorded):
+    for rule in all_rules(rules):
+        _, checker = check(rule["expr"], recorded)
+        assert checker.problems == [], (rule.get("alert") or rule.get("record"), checker.problems)
+        assert checker.names, rule
+
+
+def alert(rules, name) -> dict:
+    found = [r for r in all_rules(rules) if r.get("alert") == name]
+    assert len(found) == 1, f"alert {name}: {len(found)} rules"
+    return found[0]
+
+
+def constants(rules, recorded, expr: str) -> set[float]:
+    """The numbers in an expression and in the recording rules it uses, transitively."""
+    by_name = {r["record"]: r["expr"] for r in all_rules(rules) if "record" in r}
+    numbers, todo, seen = set(), [expr], set()
+    while todo:
+        _, checker = check(todo.pop(), recorded)
+        numbers |= checker.numbers
+        for name in checker.names - seen:
+            seen.add(name)
+            if name in by_name:
+                todo.append(by_name[name])
+    return numbers
+
+
+def test_alerts_have_severity_summary_description_and_only_existing_labels(rules, recorded):
+    alerts = [r for r in all_rules(rules) if "alert" in r]
+    names = [a["alert"] for a in alerts]
+    assert len(names) == len(set(names))
+    assert {"TrainingRankSlowCompute", "TrainingRankSlow", "TrainingNodeSlow", "TrainingRankHung",
+            "TrainingProfilingLagHigh", "TrainingProfilingParseErrors"} <= set(names)
+    for rule in alerts:
+        name = rule["alert"]
+        assert re.fullmatch(r"[A-Z][A-Za-z0-9]+", name)
+        duration(rule.get("for", "0s"))
+        assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
+        annotations = rule["annotations"]
+        assert annotations.get("summary", "").strip() and annotations.get("description", "").strip(), name
+        labels, _ = check(rule["expr"], recorded)
+        available = (labels or frozenset()) | set(rule["labels"])
+        for text in annotations.values():
+            assert text.count("{{") == text.count("}}"), (name, text)
+            for label in TEMPLATE_LABEL.findall(text):
+                assert label in available, f"{name}: {{{{ $labels.{label} }}}} is not a label of the alert {sorted(available)}"
+
+
+def test_alert_thresholds_are_the_specs(rules, recorded):
+    compute = alert(rules, "TrainingRankSlowCompute")
+    assert duration(compute["for"]) == timedelta(seconds=30)
+    assert {1.10, 3.5, 0.5, 0.25, 0.75, 1.349, 0.01, 0.05} <= constants(rules, recorded, compute["expr"])
+    slow = alert(rules, "TrainingRankSlow")
+    assert duration(slow.get("for", "0s")) <= timedelta(seconds=15)
+    _, checker = check(slow["expr"], recorded)
+    assert checker.names == {"training_rank_slow"} and 1.0 in checker.numbers
+    _, checker = check(alert(rules, "TrainingNodeSlow")["expr"], recorded)
+    assert checker.names == {"training_node_slow"}
+    _, checker = check(alert(rules, "TrainingRankHung")["expr"], recorded)
+    assert checker.names == {"training_step_last_completed_timestamp_seconds", "training_step_baseline_seconds"}
+    assert {10.0, 60.0} <= checker.numbers
+    lag = alert(rules, "TrainingProfilingLagHigh")
+    assert duration(lag["for"]) == timedelta(minutes=2)
+    _, checker = check(lag["expr"], recorded)
+    assert checker.names == {"training_profiling_lag_seconds"} and 30.0 in checker.numbers
+    errors = alert(rules, "TrainingProfilingParseErrors")
+    assert duration(errors["for"]) == timedelta(minutes=10)
+    tree = pq.parse(errors["expr"])
+    assert type(tree.lhs).__name__ == "Call" and tree.lhs.func.name == "rate" and tree.rhs.val == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Dashboard
+
+GRAFANA_VARIABLE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)(?::[a-z]+)?\}|([A-Za-z_][A-Za-z0-9_]*))")
+LEGEND_LABEL = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+LABEL_VALUES = re.compile(r"^label_values\((.*),\s*([A-Za-z_][A-Za-z0-9_]*)\)$", re.S)
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def grafana_to_promql(expr: str) -> str:
+    """What Grafana sends: its interval variables are durations, the others sit inside label values."""
+    expr = re.sub(r"\$(__rate_interval|__interval|__range)\b", "1m", expr)
+    return expr
+
+
+def test_the_dashboard_is_importable(dashboard):
+    assert dashboard["schemaVersion"] >= 36
+    assert dashboard["title"] and dashboard["uid"]
+    inputs = {i["name"]: i for i in dashboard["__inputs"]}
+    assert inputs["DS_PROMETHEUS"]["type"] == "datasource" and inputs["DS_PROMETHEUS"]["pluginId"] == "prometheus"
+    assert "${DS_PROMETHEUS}" in DASHBOARD.read_text(), "the input must be used, or the import ignores it"
+    required = {r["id"] for r in dashboard["__requires"] if r["type"] == "panel"}
+    assert {p["type"] for p in dashboard["panels"]} <= required
+
+
+def test_template_variables_exist_and_query_exported_labels(dashboard):
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert {"datasource", "namespace", "job_name", "job_id", "node"} <= set(variables)
+    source = variables["datasource"]
+    assert source["type"] == "datasource" and source["query"] == "prometheus"
+    for name in ("namespace", "job_name", "job_id", "node"):
+        variable = variables[name]
+        assert variable["type"] == "query" and variable["datasource"]["uid"] == "${datasource}"
+        query = variable["query"]["query"] if isinstance(variable["query"], dict) else variable["query"]
+        match = LABEL_VALUES.match(query)
+        assert match, f"${name}: {query}"
+        assert match.group(2) == name
+        labels, checker = check(grafana_to_promql(match.group(1)), {})
+        assert checker.problems == [] and name in labels, (name, checker.problems)
+        for used in GRAFANA_VARIABLE.findall(query):
+            assert (used[0] or used[1]) in variables
+
+
+def panels(dashboard):
+    return dashboard["panels"]
+
+
+def test_panels_have_unique_ids_titles_and_a_place_on_the_grid(dashboard):
+    ids = [p["id"] for p in panels(dashboard)]
+    assert all(isinstance(i, int) for i in ids) and len(set(ids)) == len(ids)
+    titles = [p["title"] for p in panels(dashboard)]
+    assert all(titles) and len(set(titles)) == len(titles)
+    cells: dict[tuple[int, int], str] = {}
+    for panel in panels(dashboard):
+        grid = panel["gridPos"]
+        assert all(isinstance(grid[k], int) for k in "xywh"), panel["title"]
+        assert grid["w"] > 0 and grid["h"] > 0 and 0 <= grid["x"] and grid["x"] + grid["w"] <= 24, panel["title"]
+        for x in range(grid["x"], grid["x"] + grid["w"]):
+            for y in range(grid["y"], grid["y"] + grid["h"]):
+                assert (x, y) not in cells, f"{panel['title']} overlaps {cells[(x, y)]}"
+                cells[(x, y)] = panel["title"]
+
+
+def test_every_target_is_promql_over_exported_metrics_with_existing_labels(dashboard):
+    variables = {v["name"] for v in dashboard["templating"]["list"]} | GRAFANA_BUILTINS
+    for panel in panels(dashboard):
+        title = panel["title"]
+        assert panel["datasource"]["uid"] == "${datasource}", title
+        targets = panel["targets"]
+        assert targets, title
+        assert len({t["refId"] for t in targets}) == len(targets), title
+        for target in targets:
+            assert target["datasource"]["uid"] == "${datasource}", title
+            expr = target["expr"]
+            for used in GRAFANA_VARIABLE.findall(expr):
+                assert (used[0] or used[1]) in variables, (title, used)
+            labels, checker = check(grafana_to_promql(expr), {})
+            assert checker.problems == [], (title, checker.problems)
+            for label in LEGEND_LABEL.findall(target.get("legendFormat", "")):
+                assert labels is not None and label in labels, f"{title}: legend {{{{{label}}}}} not in {sorted(labels or ())}"
+
+
+def test_the_panels_the_readme_shows_exist(dashboard):
+    by_title = {p["title"]: p for p in panels(dashboard)}
+
+    def names(panel) -> set[str]:
+        found = set()
+        for target in panel["targets"]:
+            found |= check(grafana_to_promql(target["expr"]), {})[1].names
+        return found
+
+    kinds = {p["type"] for p in panels(dashboard)}
+    assert {"timeseries", "heatmap", "state-timeline"} <= kinds
+    heat = next(p for p in panels(dashboard) if p["type"] == "heatmap")
+    assert heat["targets"][0]["format"] == "heatmap" and names(heat) == {"training_step_duration_seconds_bucket"}
+    expected = {
+        "training_step_duration_seconds_bucket", "training_step_last_duration_seconds", "training_rank_slowdown_ratio",
+        "training_rank_compute_seconds", "training_rank_slow", "training_node_slow",
+        "training_step_last_completed_timestamp_seconds", "training_profiling_lag_seconds",
+        "training_profiling_parse_errors_total", "training_steps_completed_total",
+    }
+    assert expected <= set().union(*(names(p) for p in by_title.values()))
+    timeline = [p for p in panels(dashboard) if p["type"] == "state-timeline" and "training_rank_slow" in names(p)]
+    assert timeline and any(t["expr"].rstrip().endswith("== 1") for p in timeline for t in p["targets"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The renderer of the dashboard's picture (bench/render_dashboard.py), without matplotlib.
+
+def test_the_renderer_draws_every_panel_of_the_dashboard_by_its_title(dashboard):
+    from bench import render_dashboard
+
+    assert set(render_dashboard.DRAWERS) == {p["title"] for p in panels(dashboard)}
+    for method in render_dashboard.DRAWERS.values():
+        assert callable(getattr(render_dashboard.Renderer, method))
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_the_renderer_needs_matplotlib_only_to_draw_and_says_so_in_one_line(tmp_path):
+    done = run_python("import sys, bench.render_dashboard; assert 'matplotlib' not in sys.modules")
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "dash.png"
+    done = run_python("import sys; sys.modules['matplotlib'] = None\n"
+                      "from bench.render_dashboard import main\n"
+                      f"sys.exit(main(['--synthetic', '--seconds', '4', '--out', {str(out)!r}]))")
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "matplotlib is not installed" in done.stderr, done.stderr
+    assert not out.exists()
+
+
+def test_histogram_quantile_and_increase_follow_prometheus():
+    from bench.render_dashboard import histogram_quantile, increase, window_start
+
+    inf = math.inf
+    assert histogram_quantile(0.5, [(1.0, 0), (1.25, 10), (inf, 10)]) == pytest.approx(1.125)
+    assert histogram_quantile(0.5, [(0.75, 4), (1.0, 6), (inf, 10)]) == pytest.approx(0.75 + 0.25 * 0.5)
+    assert histogram_quantile(0.5, [(0.5, 10), (inf, 10)]) == pytest.approx(0.25)  # first bucket starts at 0
+    assert histogram_quantile(0.9, [(1.0, 1), (inf, 10)]) == 1.0  # in +Inf: the highest finite bound
+    assert math.isnan(histogram_quantile(0.5, [(1.0, 0), (inf, 0)]))
+    assert increase([10, 12, 3, 5, None, 9], 0, 5) == 2 + 3 + 2 + 4  # a reset counts from 0
+    times = [0, 2, 4, 6, 8, 10]
+    assert window_start(times, 5, 4) == 3 and window_start(times, 1, 4) == 0 and window_start(times, 0, 4) is None
+    assert window_start(times, 1, 30) is None  # less than half a window of history: no value
+
+
+def test_synthetic_samples_show_rank_5_slow_and_survive_a_save(tmp_path):
+    from bench.render_dashboard import Samples, gauge_lines, step_p50, synthetic_samples
+
+    samples = synthetic_samples(seconds=48, interval=4)
+    assert len(samples.times) == 13
+    slow = {(labels["rank"], labels["reason"]): values for labels, values in samples.select("training_rank_slow")}
+    assert len(slow) == 16 * 3
+    assert slow[("5", "compute")][0] == 0 and slow[("5", "compute")][-1] == 1
+    assert [rank for (rank, reason), v in slow.items() if reason == "compute" and 1 in v] == ["5"]
+    assert all(v[-1] == 1 for (_, reason), v in slow.items() if reason == "temporal")  # synchronous: all wait
+    compute = gauge_lines(samples, "training_rank_compute_seconds", None)
+    assert compute[("mindx-7f3c2a", "5")][-1] > 1.10 * compute[("mindx-7f3c2a", "4")][-1]
+    p50 = step_p50(samples, 12, None)
+    assert p50[("mindx-7f3c2a", "0")][2] < 1.0 < p50[("mindx-7f3c2a", "0")][-1]
+    path = tmp_path / "samples.json"
+    path.write_text(json.dumps(samples.to_json()))
+    loaded = Samples.from_json(json.loads(path.read_text()))
+    assert loaded.times == samples.times and loaded.series == samples.series

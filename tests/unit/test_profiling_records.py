@@ -1,0 +1,65 @@
+"""Record lines -> markers: TaskD's own format on the fast path, anything else validated line by line."""
+
+from __future__ import annotations
+
+import json
+
+from agent.profiling.records import parse
+
+
+def line(flag=16, source=0, ts=1_755_771_234_123_456_789, ident=1024, name="step 120", domain="default", pid=48213,
+         **extra) -> bytes:
+    record = {"Kind": 1, "Flag": flag, "SourceKind": source, "Timestamp": ts, "Id": ident,
+              "MsptiObjectId": {"Pt": {"ProcessId": pid, "ThreadId": pid + 1}, "Ds": {"DeviceId": pid, "StreamId": pid + 1}},
+              "Name": name, "Domain": domain, **extra}
+    return json.dumps(record, separators=(",", ":")).encode() + b"\n"
+
+
+def test_taskd_lines_parse_to_marker_tuples():
+    data = line() + line(32, 1, 1_755_771_234_987_654_321, 1024, "(null)", "(null)", 3)
+    parsed = parse(data)
+    assert parsed.errors == [] and parsed.other_kinds == 0
+    assert parsed.markers == [(16, 0, 1_755_771_234_123_456_789, 1024, 48213, b"step 120", b"default"),
+                              (32, 1, 1_755_771_234_987_654_321, 1024, 3, b"(null)", b"(null)")]
+
+
+def test_a_communication_name_with_escaped_quotes_and_html_escapes_is_unescaped():
+    name = '{"opName": "HcclAllReduce","groupName": "10.0.0.1%eth0_60000_0_1755771200"}'
+    raw = line(name=name, domain="communication").replace(b"%", b"\\u0025")
+    parsed = parse(raw)
+    assert parsed.errors == [] and parsed.markers[0][5] == name.encode() and parsed.markers[0][6] == b"communication"
+
+
+def test_other_key_orders_take_the_slow_path_and_give_the_same_marker():
+    reordered = {"Domain": "default", "Name": "forward", "Id": 7, "Timestamp": 5, "SourceKind": 1, "Flag": 16,
+                 "Kind": 1, "MsptiObjectId": {"Pt": {"ProcessId": 9, "ThreadId": 9}}}
+    parsed = parse(json.dumps(reordered).encode() + b"\n" + line(ident=8))
+    assert [m[:6] for m in parsed.markers] == [(16, 1, 5, 7, 9, b"forward"), (16, 0, 1_755_771_234_123_456_789, 8, 48213, b"step 120")]
+
+
+def test_bad_lines_are_reported_by_reason_and_the_good_ones_kept():
+    data = b"".join([
+        b"not json at all\n",
+        b"[1, 2]\n",
+        line()[:-1] + b"\n",
+        b'{"Kind":1,"Flag":16,"SourceKind":0,"Id":3,"Name":"x","Domain":"default"}\n',  # no Timestamp
+        b'{"Kind":1,"Flag":"16","SourceKind":0,"Timestamp":1,"Id":3,"Name":"x","Domain":"default"}\n',
+        b'{"Kind":1,"Flag":16,"SourceKind":2,"Timestamp":1,"Id":3,"Name":"x","Domain":"default"}\n',
+        b'{"Kind":1,"Flag":16,"SourceKind":0,"Timestamp":-1,"Id":3,"Name":"x","Domain":"default"}\n',
+        b'{"Kind":1,"Flag":16,"SourceKind":0,"Timestamp":1,"Id":3,"Name":5,"Domain":"default"}\n',
+        b'{"Kind":3,"Start":1,"End":2,"Pt":{"ProcessId":1,"ThreadId":1},"CorrelationId":1,"Name":"aclnnAdd"}\n',
+        b"\n",
+        b'{"Kind":"1"}\n',
+        b'\xff\xfe{"Kind":1}\n',
+    ])
+    parsed = parse(data)
+    assert [reason for reason, _ in parsed.errors] == [
+        "not_json", "not_object", "missing_field", "bad_field", "bad_field", "bad_field", "bad_field", "bad_field",
+        "not_json"]
+    assert len(parsed.markers) == 1 and parsed.other_kinds == 1
+    assert parsed.errors[0][1] == b"not json at all"
+
+
+def test_an_overlong_bad_line_is_cut_in_the_report():
+    parsed = parse(b"x" * 10_000 + b"\n")
+    assert parsed.errors == [("not_json", b"x" * 200)]
