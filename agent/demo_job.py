@@ -35,13 +35,16 @@ class DemoJob:
     flush_s: float = 1.0
     rotate_s: float = 4.0
     started: float = field(default_factory=time.time)
+    seed: int = 5
 
     def __post_init__(self) -> None:
         self.model = SyntheticJob(ranks=self.ranks, stages=self.stages, step_s=self.step_s, forward_share=0.85,
                                   checkpoint_every=0, slow_rank=self.slow_rank,
-                                  slow_from_step=int(self.slow_after_s / self.step_s), seed=5)
+                                  slow_from_step=int(self.slow_after_s / self.step_s), seed=self.seed)
         self._ids = [1] * self.ranks
         self._pids = [41000 + rank for rank in range(self.ranks)]
+        self._step, self._step_start = 1, self.started
+        self._timings = self.model.step(1)
 
     @property
     def slow_from(self) -> float:
@@ -59,24 +62,26 @@ class DemoJob:
         with open(self.rank_dir(rank) / file_name, "a", encoding="utf-8") as handle:
             handle.write(text)
 
+    def lines_until(self, now: float) -> list[str]:
+        """Per rank, the lines of every step that has ended by `now` and was not handed out yet."""
+        lines = [""] * self.ranks
+        while True:
+            end = self._step_start + max(t.duration_s for t in self._timings)
+            if end > now:
+                return lines
+            for timing in self._timings:
+                lines[timing.rank] += "".join(self.records(timing, self._step, self._step_start))
+            self._step, self._step_start = self._step + 1, end
+            self._timings = self.model.step(self._step)  # drawn once per step: the seed replays the run
+
     async def run(self) -> None:
         self.prepare()
-        step, step_start = 1, self.started
         while True:
-            lines: list[list[str]] = [[] for _ in range(self.ranks)]
             now = time.time()
-            while True:  # every step that has ended by now, on every rank
-                timings = self.model.step(step)
-                end = step_start + max(t.duration_s for t in timings)
-                if end > now:
-                    break
-                for timing in timings:
-                    lines[timing.rank] += self.records(timing, step, step_start)
-                step, step_start = step + 1, end
             file_name = f"{int(self.started + (now - self.started) // self.rotate_s * self.rotate_s):010d}"
-            for rank, rank_lines in enumerate(lines):
-                if rank_lines:
-                    self.append(rank, file_name, "".join(rank_lines))
+            for rank, text in enumerate(self.lines_until(now)):
+                if text:
+                    self.append(rank, file_name, text)
             await asyncio.sleep(self.flush_s)
 
     def rank_dir(self, rank: int) -> Path:

@@ -22,10 +22,9 @@ PromQL computes, worked out in Python from the samples:
 * time() is the moment of the fetch.
 One agent is one node, so the "stage median" is the median over the ranks of that node.
 
-`--synthetic` needs no agent. It generates the same samples from a model of one node: 16 ranks of
-one job in 2 pipeline stages, 1 s steps with 1 % noise, a simplified form of the agent's detector
-(§9 temporal and local-peer compute rules, node verdict). Rank 5's forward gets 15 % slower halfway
-through. The same model, `SyntheticAgent`, can be served over HTTP, to try the sampling path.
+`--synthetic` needs no agent process: a seeded 16-rank job (2 pipeline stages, 4 steps/s, rank 5's
+forward 15 % slower from halfway) is fed as TaskD-format lines to the agent's own StepMetrics and
+collector on an injected clock, and the exposition text is sampled as a scrape would.
 """
 
 from __future__ import annotations
@@ -34,12 +33,10 @@ import argparse
 import bisect
 import json
 import math
-import random
 import statistics
 import sys
 import time
 import urllib.request
-from collections import deque
 from pathlib import Path
 from typing import Iterable
 
@@ -279,223 +276,43 @@ def gauge_lines(samples: Samples, name: str, job_id: str | None, by: tuple[str, 
 
 
 # ---------------------------------------------------------------------------------------------
-# Synthetic agent: one node, one job; the data of --synthetic and of a scratch HTTP server.
+# Synthetic samples: the agent's own pipeline fed with a seeded job, no files, no HTTP.
 
-class _RankState:
-    def __init__(self):
-        self.steps = 0
-        self.last_duration = 0.0
-        self.last_completed = 0.0
-        self.step_hist = [0] * (len(STEP_BUCKETS) + 1)
-        self.step_sum = 0.0
-        self.phase_hist = {p: [0] * (len(b) + 1) for p, b in PHASE_BUCKETS.items()}
-        self.phase_sum = {p: 0.0 for p in PHASE_BUCKETS}
-        self.seen_eligible = 0
-        self.baseline_window: list[float] = []
-        self.baseline: float | None = None
-        self.spread = 0.0
-        self.recent = deque(maxlen=5)
-        self.recent_forward = deque(maxlen=5)
-        self.slow = {"temporal": 0, "compute": 0, "io": 0}
-        self.temporal_hits = 0
-        self.temporal_clear = 0
-        self.compute_hits = 0
-        self.compute_clear = 0
-        self.detections = {"temporal": 0, "compute": 0, "io": 0}
-        self.records = 0
-
-
-def _observe(hist: list[int], bounds: tuple, value: float) -> None:
-    hist[bisect.bisect_left(bounds, value)] += 1
-
-
-class SyntheticAgent:
-    """What the agent of one node would export: `ranks` ranks of one job in `stages` pipeline stages.
-
-    Steps are synchronous: every rank ends a step when the slowest one does. From `slow_at` on,
-    the forward time of rank `slow_rank` is `slowdown` times longer, so every rank's step time
-    rises (temporal), and only that rank's compute does (compute). The job started `history` s
-    before `start`, so the baselines exist when sampling begins."""
-
-    WARMUP, BASELINE = 20, 50
-
-    def __init__(self, start: float, slow_at: float, *, ranks: int = 16, stages: int = 2, slow_rank: int = 5,
-                 slowdown: float = 1.15, forward: tuple[float, ...] = (0.84, 0.79), other: float = 0.10,
-                 checkpoint_every: int = 1000,
-                 history: float = 300.0, node: str = "node-a", seed: int = 1):
-        self.rng = random.Random(seed)
-        self.ranks, self.stages, self.slow_rank, self.slowdown = ranks, stages, slow_rank, slowdown
-        self.forward, self.other, self.checkpoint_every = forward, other, checkpoint_every
-        self.slow_at, self.node = slow_at, node
-        self.labels = {"namespace": "llm-train", "job_name": "pretrain-13b", "job_id": "mindx-7f3c2a"}
-        self.state = [_RankState() for _ in range(ranks)]
-        self.clock = start - history
-        self.step = 0
-        self.parse_errors = 0
-        self.next_parse_error = self.clock + self.rng.expovariate(1 / 45)
-        self.lag_phase = [self.rng.uniform(0, 2) for _ in range(ranks)]
-
-    def pp_stage(self, rank: int) -> int:
-        return rank * self.stages // self.ranks
-
-    def advance(self, now: float) -> None:
-        rng = self.rng
-        while True:
-            start = self.clock
-            forwards = [self.forward[self.pp_stage(r) % len(self.forward)] * (1 + rng.gauss(0, 0.01))
-                        for r in range(self.ranks)]
-            if start >= self.slow_at:
-                forwards[self.slow_rank] *= self.slowdown
-            loaders = [0.01 * (1 + rng.gauss(0, 0.1)) for _ in range(self.ranks)]
-            ckpt = self.step > 0 and self.step % self.checkpoint_every == 0
-            save = 6.0 * (1 + rng.gauss(0, 0.05)) if ckpt else 0.0
-            duration = max(f + d for f, d in zip(forwards, loaders)) + self.other * (1 + rng.gauss(0, 0.02)) + save
-            if start + duration > now:
-                break
-            self.clock = start + duration
-            self.step += 1
-            for r, st in enumerate(self.state):
-                d = duration * (1 + rng.gauss(0, 0.0005))
-                st.steps += 1
-                st.last_duration = d
-                st.last_completed = self.clock + rng.uniform(-0.002, 0.002)
-                st.step_sum += d
-                _observe(st.step_hist, STEP_BUCKETS, d)
-                for phase, value in (("forward", forwards[r]), ("dataloader", loaders[r]), ("save_checkpoint", save)):
-                    if phase == "save_checkpoint" and not ckpt:
-                        continue
-                    st.phase_sum[phase] += value
-                    _observe(st.phase_hist[phase], PHASE_BUCKETS[phase], value)
-                st.records += 48 + (2 if ckpt else 0)
-                if ckpt or st.steps <= self.WARMUP:
-                    continue
-                st.recent.append(d)
-                st.recent_forward.append(forwards[r])
-                if st.baseline is None:
-                    st.baseline_window.append(d)
-                    if len(st.baseline_window) == self.BASELINE:
-                        st.baseline = statistics.median(st.baseline_window)
-                        st.spread = 1.4826 * statistics.median(abs(x - st.baseline) for x in st.baseline_window)
-            self._detect()
-        while self.next_parse_error <= now:
-            self.parse_errors += 1
-            self.next_parse_error += rng.expovariate(1 / 45)
-
-    def _detect(self) -> None:
-        """The §9 rules, simplified: temporal per rank, compute against the ranks of the same stage here."""
-        for st in self.state:
-            if st.baseline is None or len(st.recent) < 5:
-                continue
-            m5 = statistics.median(st.recent)
-            if m5 >= 1.10 * st.baseline and m5 >= st.baseline + 4 * st.spread:
-                st.temporal_hits += 1
-            else:
-                st.temporal_hits = 0
-            st.temporal_clear = st.temporal_clear + 1 if m5 < 1.05 * st.baseline else 0
-            self._set(st, "temporal", st.temporal_hits >= 2, st.temporal_clear >= 10)
-        for stage in range(self.stages):
-            peers = [st for r, st in enumerate(self.state) if self.pp_stage(r) == stage and len(st.recent_forward) == 5]
-            if len(peers) < 4:
-                continue
-            x = {id(st): statistics.median(st.recent_forward) for st in peers}
-            q25, med, q75 = statistics.quantiles(x.values(), n=4, method="inclusive")
-            sigma = max((q75 - q25) / 1.349, 0.01 * med)
-            hits = [st for st in peers if x[id(st)] >= 1.10 * med and (x[id(st)] - med) / sigma >= 3.5]
-            if len(hits) > max(1, 0.05 * len(peers)):
-                hits = []
-            for st in peers:
-                hit = st in hits
-                st.compute_hits = st.compute_hits + 1 if hit else 0
-                st.compute_clear = 0 if hit else st.compute_clear + 1
-                self._set(st, "compute", st.compute_hits >= 3, st.compute_clear >= 10)
-
-    @staticmethod
-    def _set(st: _RankState, reason: str, raise_: bool, clear: bool) -> None:
-        if raise_ and not st.slow[reason]:
-            st.slow[reason] = 1
-            st.detections[reason] += 1
-        elif clear:
-            st.slow[reason] = 0
-
-    def exposition(self, now: float) -> str:
-        """The /metrics text at `now` (the training_* families only)."""
-        from prometheus_client import CollectorRegistry, generate_latest
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
-        self.advance(now)
-        node, common = self.node, self.labels
-        rank_keys = ["node", "namespace", "job_name", "job_id", "rank", "pp_stage"]
-
-        def rank_labels(r: int) -> list[str]:
-            return [node, common["namespace"], common["job_name"], common["job_id"], str(r), str(self.pp_stage(r))]
-
-        def buckets(bounds: tuple, hist: list[int]) -> list[tuple[str, float]]:
-            out, total = [], 0
-            for bound, count in zip(list(bounds) + [math.inf], hist):
-                total += count
-                out.append(("+Inf" if math.isinf(bound) else repr(float(bound)), total))
-            return out
-
-        families = []
-        step = HistogramMetricFamily("training_step_duration_seconds", "Step duration", labels=rank_keys + ["clock"])
-        phase = HistogramMetricFamily("training_phase_duration_seconds", "Per-step phase sums", labels=rank_keys + ["phase"])
-        last = GaugeMetricFamily("training_step_last_duration_seconds", "Latest step", labels=rank_keys)
-        done = GaugeMetricFamily("training_step_last_completed_timestamp_seconds", "Latest step end", labels=rank_keys)
-        steps = CounterMetricFamily("training_steps_completed", "Steps seen", labels=rank_keys)
-        base = GaugeMetricFamily("training_step_baseline_seconds", "Baseline", labels=rank_keys)
-        ratio = GaugeMetricFamily("training_rank_slowdown_ratio", "m5/B", labels=rank_keys)
-        compute = GaugeMetricFamily("training_rank_compute_seconds", "Median forward", labels=rank_keys)
-        slow = GaugeMetricFamily("training_rank_slow", "Detector output", labels=rank_keys + ["reason"])
-        detections = CounterMetricFamily("training_slow_detections", "Rising edges", labels=rank_keys + ["reason"])
-        records = CounterMetricFamily("training_profiling_records", "Records", labels=["node", "job_id", "rank"])
-        lag = GaugeMetricFamily("training_profiling_lag_seconds", "Lag", labels=["node", "job_id", "rank"])
-        for r, st in enumerate(self.state):
-            labels = rank_labels(r)
-            step.add_metric(labels + ["device"], buckets(STEP_BUCKETS, st.step_hist), st.step_sum)
-            for p, bounds in PHASE_BUCKETS.items():
-                phase.add_metric(labels + [p], buckets(bounds, st.phase_hist[p]), st.phase_sum[p])
-            last.add_metric(labels, st.last_duration)
-            done.add_metric(labels, st.last_completed)
-            steps.add_metric(labels, st.steps)
-            if st.baseline is not None:
-                base.add_metric(labels, st.baseline)
-                if len(st.recent) == 5:
-                    ratio.add_metric(labels, statistics.median(st.recent) / st.baseline)
-            if len(st.recent_forward) == 5:
-                compute.add_metric(labels, statistics.median(st.recent_forward))
-            for reason in ("temporal", "compute", "io"):
-                slow.add_metric(labels + [reason], st.slow[reason])
-                detections.add_metric(labels + [reason], st.detections[reason])
-            records.add_metric([node, common["job_id"], str(r)], st.records)
-            flush = (now + self.lag_phase[r]) % 2.0  # record files are flushed every 2 s
-            lag.add_metric([node, common["job_id"], str(r)], 0.3 + flush + self.rng.uniform(0, 0.2))
-        slow_ranks = sum(1 for st in self.state if any(st.slow.values()))
-        node_slow = GaugeMetricFamily("training_node_slow", "Node verdict",
-                                      labels=["node", "namespace", "job_name", "job_id", "reason"])
-        node_slow.add_metric([node, common["namespace"], common["job_name"], common["job_id"], "ranks"],
-                             1 if slow_ranks * 2 >= self.ranks else 0)
-        node_slow.add_metric([node, common["namespace"], common["job_name"], common["job_id"], "host"], 0)
-        errors = CounterMetricFamily("training_profiling_parse_errors", "Parse errors", labels=["node", "reason"])
-        errors.add_metric([node, "invalid_line"], self.parse_errors)
-        families = [step, phase, last, done, steps, base, ratio, compute, slow, node_slow, detections, records,
-                    errors, lag]
-
-        class _Collector:
-            def collect(self):
-                return families
-
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Collector())
-        return generate_latest(registry).decode("utf-8")
+SYNTHETIC_JOB = "mindx-7f3c2a"
 
 
 def synthetic_samples(seconds: float, interval: float, seed: int = 1) -> Samples:
+    """What a scrape every `interval` s of the agent would show while a 16-rank job (2 pipeline
+    stages, 4 steps/s) runs `seconds` s and rank 5's forward gets 15 % slower halfway: the job's
+    TaskD-format lines go through the real StepMetrics (parser, pairing, detector) and the real
+    collector, on an injected clock."""
+    import tempfile
+
+    from prometheus_client import generate_latest
+
+    from agent.demo_job import DemoJob
+    from agent.metrics import make_registry
+    from agent.profiling.metrics import StepCollector
+    from agent.profiling.records import RankKey
+    from agent.profiling.step_metrics import StepMetrics
+
     start = time.time() - seconds
-    agent = SyntheticAgent(start, start + seconds / 2, seed=seed)
+    now = [start]
+    job = DemoJob(Path("unused"), job_id=SYNTHETIC_JOB, ranks=16, stages=2, step_s=0.25,
+                  slow_after_s=seconds / 2, started=start, seed=seed)
     samples = Samples("synthetic: 16 ranks, rank 5's forward +15 % from halfway")
-    for k in range(int(seconds / interval) + 1):
-        t = start + k * interval
-        samples.add_exposition(t, agent.exposition(t))
+    with tempfile.TemporaryDirectory() as state:
+        steps = StepMetrics(Path(state) / "steps.json", clock=lambda: now[0])
+        registry = make_registry(StepCollector("demo-node", steps, clock=lambda: now[0]))
+        for rank in range(job.ranks):
+            steps.on_group(RankKey(SYNTHETIC_JOB, rank), job.model.parallel_group(rank))
+        for k in range(int(seconds / interval) + 1):
+            now[0] = start + k * interval
+            for rank, text in enumerate(job.lines_until(now[0])):
+                if text:
+                    steps.on_lines(RankKey(SYNTHETIC_JOB, rank), "0000000001", 0, text.encode())
+            steps.on_batch_end()
+            samples.add_exposition(now[0], generate_latest(registry).decode())
     return samples
 
 

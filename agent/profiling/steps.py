@@ -18,18 +18,19 @@ reads again from there and loses no step; steps it finalises twice are dropped b
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
 from collections import Counter
+from itertools import accumulate
 from dataclasses import dataclass, field
 
-from agent.profiling.records import DOMAIN, END_FLAGS, FLAG, ID, NAME, PID, SOURCE, START_FLAGS, TIMESTAMP, \
-    WITH_DEVICE_FLAGS
+from agent.profiling.records import END_FLAGS, START_FLAGS, WITH_DEVICE_FLAGS, text
 
 FORWARD, DATALOADER, CHECKPOINT = "forward", "dataloader", "save_checkpoint"
 _PHASES = {b"forward": FORWARD, b"dataloader": DATALOADER, b"save_checkpoint": CHECKPOINT}
 _STEP = re.compile(rb"step\D{0,8}?(\d{1,18})")
 _NO_NAME = frozenset((b"", b"NULL", b"(null)"))
 MAX_OPEN = 4096  # half-seen ranges kept per rank; the oldest beyond are dropped as unpaired
-MAX_STEPS = 16_384  # steps kept per rank until a batch ends (a 4 MiB read holds ~4,500)
+MAX_STEPS = 16_384  # steps kept per rank until a batch ends (a 4 MiB read holds ~1,500)
 MAX_PHASES = 20_000  # completed phase ranges waiting for their step
 
 
@@ -80,65 +81,76 @@ class RankAssembler:
 
     errors: Counter = field(default_factory=Counter)  # reason -> count (the caller logs and exports them)
     newest_host_ns: int = 0  # the newest host timestamp seen: the parser's lag
-    _names: dict = field(default_factory=dict)  # id -> [name, domain, pid | None]
+    _names: dict = field(default_factory=dict)  # id -> [name, domain, pid | None, halves paired]
     _open: dict = field(default_factory=dict)  # (id, source) -> (is_start, ts, flag, position)
     _steps: dict = field(default_factory=dict)  # range id -> _Step
     _phases: list = field(default_factory=list)  # _Range, in completion order
 
     def feed(self, markers: list[tuple], position: object) -> None:
-        names, pending = self._names, self._open
-        for marker in markers:
-            flag, source, ident = marker[FLAG], marker[SOURCE], marker[ID]
-            is_start = flag in START_FLAGS
-            if not is_start and flag not in END_FLAGS:
+        """Pair `records.parse` markers (raw fields); `position` is where they were read."""
+        names, pending, errors = self._names, self._open, self.errors
+        newest = self.newest_host_ns
+        for flag, source, stamp, ident, pid, name, domain in markers:
+            if flag in START_FLAGS:
+                is_start = True
+            elif flag in END_FLAGS:
+                is_start = False
+            else:
                 continue  # instantaneous markers carry no duration
-            if source == 0 and marker[TIMESTAMP] > self.newest_host_ns:
-                self.newest_host_ns = marker[TIMESTAMP]
+            ts = int(stamp)
+            host = source == b"0"
+            if host and ts > newest:
+                newest = ts
             known = names.get(ident)
             if known is None:
-                if is_start and marker[NAME] not in _NO_NAME:
-                    names[ident] = [marker[NAME], marker[DOMAIN], marker[PID] if source == 0 else None]
+                if is_start and name not in _NO_NAME:
+                    names[ident] = [name, domain, pid if host else None, 0]
                     if len(names) > MAX_OPEN:
                         del names[next(iter(names))]
-            elif known[2] is None and source == 0:
-                known[2] = marker[PID]  # device records carry the device id there, not the process
+            elif host and known[2] is None:
+                known[2] = pid  # device records carry the device id there, not the process
             key = (ident, source)
             other = pending.pop(key, None)
             if other is None:
-                pending[key] = (is_start, marker[TIMESTAMP], flag, position)
+                pending[key] = (is_start, ts, flag, position)
                 if len(pending) > MAX_OPEN:
                     del pending[next(iter(pending))]
-                    self.errors["unpaired"] += 1
+                    errors["unpaired"] += 1
                 continue
             if other[0] == is_start:  # two starts (or two ends) for one id: ids reused
-                self.errors["id_reused"] += 1
-                pending[key] = (is_start, marker[TIMESTAMP], flag, position)
+                errors["id_reused"] += 1
+                pending[key] = (is_start, ts, flag, position)
                 continue
             if is_start:
-                start, end, start_flag, first = marker[TIMESTAMP], other[1], flag, other[3]
+                start, end, start_flag, first = ts, other[1], flag, other[3]
             else:
-                start, end, start_flag, first = other[1], marker[TIMESTAMP], other[2], other[3]
+                start, end, start_flag, first = other[1], ts, other[2], other[3]
             if end < start:
-                self.errors["negative_duration"] += 1
+                errors["negative_duration"] += 1
                 continue
-            self._range(ident, source, start, end, start_flag in WITH_DEVICE_FLAGS or flag in WITH_DEVICE_FLAGS,
-                        first)
+            self._range(ident, host, start, end, start_flag in WITH_DEVICE_FLAGS or flag in WITH_DEVICE_FLAGS, first)
+        self.newest_host_ns = newest
 
-    def _range(self, ident: int, source: int, start: int, end: int, on_stream: bool, position: object) -> None:
+    def _range(self, ident: bytes, host: bool, start: int, end: int, on_stream: bool, position: object) -> None:
         known = self._names.get(ident)
         if known is None:
             self.errors["unnamed_range"] += 1
             return
-        name, domain, pid = known
+        name, domain, pid, halves = known
+        if halves + 1 >= (2 if on_stream else 1):
+            del self._names[ident]  # every half of the range is paired: the name is not needed again
+        else:
+            known[3] = halves + 1
         if domain != b"default":
             return  # communication and other domains: not used without their markers switched on
-        lowered = name.lower()
-        phase = _PHASES.get(lowered)
+        source = 0 if host else 1
+        phase = _PHASES.get(name) or _PHASES.get(text(name).lower())
         if phase is not None:
             self._phases.append(_Range(phase, source, start, end, position))
             if len(self._phases) > MAX_PHASES:
                 del self._phases[:len(self._phases) - MAX_PHASES]
             return
+        lowered = text(name).lower()
         if b"step" not in lowered:
             return
         match = _STEP.search(lowered)
@@ -147,14 +159,14 @@ class RankAssembler:
             return
         step = self._steps.get(ident)  # both halves of a step share its range id
         if step is None:
-            step = self._steps[ident] = _Step(int(match.group(1)), 0, position)
-            if len(self._steps) > MAX_STEPS:
-                del self._steps[min(self._steps, key=lambda k: self._steps[k].position)]
+            if len(self._steps) >= MAX_STEPS:
+                self._steps.pop(next(iter(self._steps)))  # the oldest: steps arrive in order
                 self.errors["step_incomplete"] += 1
+            step = self._steps[ident] = _Step(int(match.group(1)), 0, position)
         if source == 1:
             step.device, step.device_expected = (start, end), True
         else:
-            step.host, step.pid = (start, end), pid or 0
+            step.host, step.pid = (start, end), int(pid or 0)
             step.device_expected = step.device_expected or on_stream
 
     def finalize(self) -> list[StepSample]:
@@ -169,29 +181,23 @@ class RankAssembler:
                 ready.append(key)
                 self.errors["device_range_missing"] += 1
         done = sorted((self._steps.pop(key) for key in set(ready)), key=lambda s: (s.pid, s.number))
-        samples = [self._sample(step) for step in done]
+        index = _index(self._phases) if done else {}
+        samples = [self._sample(step, index) for step in done]
         if done:
             self._prune(done)
         return samples
 
-    def _sample(self, step: _Step) -> StepSample:
+    def _sample(self, step: _Step, index: dict) -> StepSample:
         clock, (start, end) = ("device", step.device) if step.device else ("host", step.host)
         host_window = step.host or step.device
-        forward = self._sum(FORWARD, 1, step.device) if step.device else None
+        forward = _sum(index, FORWARD, 1, step.device) if step.device else None
         if forward is None and step.host:
-            forward = self._sum(FORWARD, 0, step.host)
-        dataloader = self._sum(DATALOADER, 0, host_window) or 0.0
-        checkpoint = sum(r.end - r.start for r in self._phases
-                         if r.phase == CHECKPOINT and r.start < host_window[1] and r.end > host_window[0]) / 1e9
+            forward = _sum(index, FORWARD, 0, step.host)
+        dataloader = _sum(index, DATALOADER, 0, host_window) or 0.0
+        checkpoint = sum(r.end - r.start for r in index.get(CHECKPOINT, ())
+                         if r.start < host_window[1] and r.end > host_window[0]) / 1e9
         return StepSample(step.number, step.pid, clock, start, end, host_window[1] / 1e9, forward, dataloader,
                           checkpoint)
-
-    def _sum(self, phase: str, source: int, window: tuple[int, int]) -> float | None:
-        """Seconds of `phase` ranges of that clock starting inside the window; None when there are none."""
-        low, high = window
-        inside = [r.end - r.start for r in self._phases
-                  if r.phase == phase and r.source == source and low <= r.start < high]
-        return sum(inside) / 1e9 if inside else None
 
     def _prune(self, done: list[_Step]) -> None:
         """Forget the ranges no step still to come can hold: steps follow each other, so what ended
@@ -210,3 +216,30 @@ class RankAssembler:
         candidates += [s.position for s in self._steps.values()]
         candidates += [r.position for r in self._phases]
         return min(candidates) if candidates else None
+
+
+def _index(ranges: list[_Range]) -> dict:
+    """(phase, source) -> (starts sorted, running sums of durations in that order), and CHECKPOINT ->
+    its ranges: a step's phases by bisection, so a batch of N steps costs N log N, not N x ranges."""
+    grouped: dict = {}
+    checkpoints = []
+    for r in ranges:
+        if r.phase == CHECKPOINT:
+            checkpoints.append(r)
+        else:
+            grouped.setdefault((r.phase, r.source), []).append((r.start, r.end - r.start))
+    index: dict = {CHECKPOINT: checkpoints}
+    for key, pairs in grouped.items():
+        pairs.sort()
+        index[key] = ([start for start, _ in pairs], list(accumulate((d for _, d in pairs), initial=0)))
+    return index
+
+
+def _sum(index: dict, phase: str, source: int, window: tuple[int, int]) -> float | None:
+    """Seconds of `phase` ranges of that clock starting inside the window; None when there are none."""
+    found = index.get((phase, source))
+    if found is None:
+        return None
+    starts, sums = found
+    low, high = bisect_left(starts, window[0]), bisect_left(starts, window[1])
+    return (sums[high] - sums[low]) / 1e9 if high > low else None

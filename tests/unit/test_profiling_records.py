@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from agent.profiling.records import parse
+from agent.profiling.records import parse, text
 
 
 def line(flag=16, source=0, ts=1_755_771_234_123_456_789, ident=1024, name="step 120", domain="default", pid=48213,
@@ -19,22 +19,23 @@ def test_taskd_lines_parse_to_marker_tuples():
     data = line() + line(32, 1, 1_755_771_234_987_654_321, 1024, "(null)", "(null)", 3)
     parsed = parse(data)
     assert parsed.errors == [] and parsed.other_kinds == 0
-    assert parsed.markers == [(16, 0, 1_755_771_234_123_456_789, 1024, 48213, b"step 120", b"default"),
-                              (32, 1, 1_755_771_234_987_654_321, 1024, 3, b"(null)", b"(null)")]
+    assert parsed.markers == [(b"16", b"0", b"1755771234123456789", b"1024", b"48213", b"step 120", b"default"),
+                              (b"32", b"1", b"1755771234987654321", b"1024", b"3", b"(null)", b"(null)")]
 
 
 def test_a_communication_name_with_escaped_quotes_and_html_escapes_is_unescaped():
     name = '{"opName": "HcclAllReduce","groupName": "10.0.0.1%eth0_60000_0_1755771200"}'
     raw = line(name=name, domain="communication").replace(b"%", b"\\u0025")
     parsed = parse(raw)
-    assert parsed.errors == [] and parsed.markers[0][5] == name.encode() and parsed.markers[0][6] == b"communication"
+    assert parsed.errors == [] and text(parsed.markers[0][5]) == name.encode() and parsed.markers[0][6] == b"communication"
 
 
 def test_other_key_orders_take_the_slow_path_and_give_the_same_marker():
     reordered = {"Domain": "default", "Name": "forward", "Id": 7, "Timestamp": 5, "SourceKind": 1, "Flag": 16,
                  "Kind": 1, "MsptiObjectId": {"Pt": {"ProcessId": 9, "ThreadId": 9}}}
     parsed = parse(json.dumps(reordered).encode() + b"\n" + line(ident=8))
-    assert [m[:6] for m in parsed.markers] == [(16, 1, 5, 7, 9, b"forward"), (16, 0, 1_755_771_234_123_456_789, 8, 48213, b"step 120")]
+    assert [m[:6] for m in parsed.markers] == [(b"16", b"1", b"5", b"7", b"9", b"forward"),
+                                               (b"16", b"0", b"1755771234123456789", b"8", b"48213", b"step 120")]
 
 
 def test_bad_lines_are_reported_by_reason_and_the_good_ones_kept():

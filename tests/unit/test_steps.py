@@ -11,7 +11,9 @@ PID, DEV = 4242, 3
 
 
 def m(flag, source, ts_ms, ident, name=b"NULL", domain=b"default"):
-    return (flag, source, int(ts_ms * MS), ident, PID if source == 0 else DEV, name, domain)
+    """A marker as `records.parse` gives it: the raw text of every field."""
+    fields = (flag, source, int(ts_ms * MS), ident, PID if source == 0 else DEV)
+    return (*(str(v).encode() for v in fields), name, domain)
 
 
 def stream_range(ident, name, start_ms, end_ms, device_lag_ms=0.5):
@@ -68,7 +70,7 @@ def test_writes_cut_anywhere_with_device_records_late_give_the_same_steps():
     for seed in range(20):
         rng = random.Random(seed)
         lag_ms = rng.choice([0, 300, 1500, 2500])
-        ordered = sorted(records, key=lambda r: r[2] + (lag_ms * MS if r[1] == 1 else 0))
+        ordered = sorted(records, key=lambda r: int(r[2]) + (lag_ms * MS if r[1] == b"1" else 0))
         cuts = sorted(rng.sample(range(1, len(ordered)), 8))
         assembler, got = RankAssembler(), []
         for index, (low, high) in enumerate(zip([0, *cuts], [*cuts, len(ordered)])):
@@ -88,7 +90,7 @@ def test_a_host_only_step_uses_the_host_clock_and_host_forwards():
 def test_a_step_waits_for_its_device_half_and_falls_back_to_the_host_once_a_later_step_is_done():
     assembler = RankAssembler()
     first = stream_range(1, b"step 1", 0, 1000)
-    assembler.feed([r for r in first if r[1] == 0], ("f", 0))  # the device half is late
+    assembler.feed([r for r in first if r[1] == b"0"], ("f", 0))  # the device half is late
     assert assembler.finalize() == []
     assert assembler.oldest_needed() == ("f", 0)
     assembler.feed(stream_range(2, b"step 2", 1000, 2000), ("f", 100))
