@@ -98,16 +98,20 @@ class DemoJob:
         out += self._range(rank, pid, "dataloader", start, loader_end, on_stream=False)
         out += self._range(rank, pid, "forward", loader_end, loader_end + half, on_stream=True)
         out += self._range(rank, pid, "forward", loader_end + half, loader_end + 2 * half, on_stream=True)
-        return out
+        return [line for _, line in sorted(out)]  # in the order the markers were called, as mspti buffers them
 
-    def _range(self, rank: int, pid: int, name: str, start: int, end: int, on_stream: bool) -> list[str]:
+    def _range(self, rank: int, pid: int, name: str, start: int, end: int,
+               on_stream: bool) -> list[tuple[int, str]]:
         ident = self._ids[rank]
         self._ids[rank] += 1
         device = rank  # the device view prints the device and stream ids
         if not on_stream:
-            return [_marker(2, 0, start, ident, pid, name), _marker(4, 0, end, ident, pid, "NULL")]
-        return [_marker(16, 0, start, ident, pid, name), _marker(16, 1, start + DEVICE_LAG_NS, ident, device, name),
-                _marker(32, 0, end, ident, pid, "NULL"), _marker(32, 1, end + DEVICE_LAG_NS, ident, device, "NULL")]
+            return [(start, _marker(2, 0, start, ident, pid, name)), (end, _marker(4, 0, end, ident, pid, "NULL"))]
+        device_start, device_end = start + DEVICE_LAG_NS, end + DEVICE_LAG_NS
+        return [(start, _marker(16, 0, start, ident, pid, name)),
+                (device_start, _marker(16, 1, device_start, ident, device, name)),
+                (end, _marker(32, 0, end, ident, pid, "NULL")),
+                (device_end, _marker(32, 1, device_end, ident, device, "NULL"))]
 
 
 def _marker(flag: int, source: int, timestamp: int, ident: int, pid: int, name: str) -> str:
