@@ -50,17 +50,16 @@ import re
 import stat
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from inotify_simple import INotify, flags, parse_events
-
-from agent.devices.pool import DaemonPool
 from agent.fsutil import atomic_write
 from agent.profiling.disk_rules import is_record_name
 from agent.profiling.records import RankKey
+from agent.profiling.tree import (BACKLOG_MAX, BATCH_WINDOW_S, CLOSED, DIR_FLAGS, DIR_GONE, DIR_NEW, LAST_GONE,
+                                  LOGGED_MAX, ROOT_POLL_S, VANISHED, WATCH_MASK, Problem, TreeFollower, Walk, join,
+                                  open_dir, within)
 
 log = logging.getLogger(__name__)
 
@@ -69,32 +68,9 @@ GROUP_FILE = "parallel_group.json"
 GROUP_MAX = 1 << 20
 STATE_VERSION = 1
 ORIGIN = "0000000000"  # resume position of a rank with no file yet: the first file, from 0
-BACKLOG_MAX = 65_536  # distinct (directory, name) with events waiting; past this, a rescan
-LOGGED_MAX = 1_000  # distinct problems logged; later ones are only counted
 FINISHED_KEPT = 16  # final sizes of files the cursor left, for the saved "size" of a lagging commit
-STOP_WAIT_S = 0.3  # stop() waits this long for a walk that may still add watches
 _RANK_NAME = re.compile(r"0|[1-9][0-9]{0,8}")  # canonical decimal: "01" would collide with "1"
-
-# Directories only. The watches are added through /proc/self/fd/<fd> of a directory opened with
-# O_NOFOLLOW, which must be followed (IN_DONT_FOLLOW would watch the proc link itself); without
-# /proc the path is used with IN_DONT_FOLLOW.
-WATCH_MASK = (flags.CREATE | flags.MODIFY | flags.CLOSE_WRITE | flags.MOVED_TO | flags.DELETE
-              | flags.MOVED_FROM | flags.DELETE_SELF | flags.MOVE_SELF | flags.ONLYDIR)
-_GONE_SELF = flags.DELETE_SELF | flags.MOVE_SELF | flags.UNMOUNT
-_GONE = flags.DELETE | flags.MOVED_FROM
-_ARRIVED = flags.CREATE | flags.MOVED_TO
-_DONE = flags.CLOSE_WRITE | flags.MOVED_TO
-# What the waiting events of one (directory, name) add up to (as in disk.py); no bit: it changed.
-_LAST_GONE = 1  # the last event said the name went away
-_DIR_GONE = 2  # a directory of that name went away at some point
-_DIR_NEW = 4  # the last event said a directory arrived
-_SELF_GONE = 8  # name "": the watched directory itself went away
-_SELF_IGNORED = 16  # name "": the kernel dropped the watch
-_CLOSED = 32  # the file was closed after writing or moved in (parallel_group.json is read only then)
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_VANISHED = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)  # removed, or became a file or a symlink
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,16 +100,13 @@ BAD_INPUT_REASONS = ("records_lost", "partial_line_at_rotation", "file_truncated
            "rank_dir", "parallel_group")
 
 
-def _join(directory: str, name: str) -> str:
-    return f"{directory}/{name}" if directory else name
-
-
 def _is_rank_name(name: str) -> bool:
     return _RANK_NAME.fullmatch(name) is not None
 
 
-def _within(path: str, scope: str) -> bool:
-    return not scope or path == scope or path.startswith(scope + "/")
+def _depth(directory: str) -> int:
+    """0 for the root, 1 for a job directory, 2 for a rank directory."""
+    return directory.count("/") + 1 if directory else 0
 
 
 # ---- data between the loop and the worker thread --------------------------------------------------
@@ -158,12 +131,9 @@ class _RankSeen:
 
 
 @dataclass
-class _Walk:
-    start_ok: bool = True  # the start directory could be opened
-    watches: dict[int, str] = field(default_factory=dict)  # wd -> directory
+class _Walk(Walk):
     ranks: list[_RankSeen] = field(default_factory=list)
     bad_rank_dirs: list[str] = field(default_factory=list)
-    problems: list[tuple[str, str, str]] = field(default_factory=list)  # (what, path, error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +158,7 @@ class _Outcome:
     sizes: dict[str, int] = field(default_factory=dict)  # sizes seen
     missing: list[str] = field(default_factory=list)  # known names found absent
     refused: list[str] = field(default_factory=list)  # record names that are not regular files
-    problems: list[tuple[str, str, str]] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
     group: _Group | None = None
     more: bool = False  # the budget ran out before EOF
     bytes_read: int = 0
@@ -211,58 +181,40 @@ class _Rank:
     group_digest: bytes | None = None  # of the parallel_group.json last handed over (or reported)
 
 
-class ProfilingTailer:
-    """Follows the profiling tree and delivers complete record lines to `consumer`.
+class ProfilingTailer(TreeFollower):
+    """Follows the profiling tree and delivers complete record lines to `consumer` (called on the loop).
 
-    All state lives on the loop, in one task; walks and reads run on one daemon thread (a hung
-    file system must not hold the loop or SIGTERM). The consumer is called on the loop.
+    `errors` counts the tailer's own problems (unreadable directories, state file, consumer
+    exceptions); bad input is the consumer's to count.
     """
 
     name = "profiling-tailer"
+    title = "profiling tailer"
+    label = "profiling tailer"
+    refused = "no records are read"
 
     def __init__(self, root: Path, state_file: Path, consumer: TailConsumer, *,
-                 clock: Callable[[], float] = time.monotonic, root_poll_s: float = 2.0,
-                 batch_window_s: float = 0.1, commit_interval_s: float = 5.0, max_read_bytes: int = 4 << 20,
+                 clock: Callable[[], float] = time.monotonic, root_poll_s: float = ROOT_POLL_S,
+                 batch_window_s: float = BATCH_WINDOW_S, commit_interval_s: float = 5.0, max_read_bytes: int = 4 << 20,
                  replay_existing: bool = False):
         if max_read_bytes <= 0:
             raise ValueError("max_read_bytes must be positive")
-        self.root = Path(os.path.abspath(root))
+        super().__init__(root, log=log, mask=WATCH_MASK, clock=clock, root_poll_s=root_poll_s,
+                         batch_window_s=batch_window_s)
         self.state_file = Path(state_file)
-        self._root = str(self.root)
         self._consumer = consumer
-        self._clock = clock
-        self._root_poll_s = root_poll_s
-        self._batch_window_s = batch_window_s
         self._commit_interval_s = commit_interval_s
         self._max_read = max_read_bytes
         self._replay = replay_existing
-        self._proc_fd = os.path.isdir("/proc/self/fd")
         self._ranks: dict[str, _Rank] = {}  # "<job>/<rank>" -> rank
         self._dirty: dict[str, None] = {}  # ranks with something to read, in turn order
         self._committed: dict[RankKey, Position] = {}
         self._resume: dict[RankKey, tuple[Position, int | None]] = {}  # saved, until the rank is seen
         self._state_dirty = False
-        self._watches: dict[int, str] = {}  # wd -> directory relative to the root
-        self._pending: dict[tuple[int, str], int] = {}
-        self._overflowed = False
-        self._inotify: INotify | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._pool: DaemonPool | None = None
-        self._task: asyncio.Task | None = None
-        self._saver: asyncio.Task | None = None
-        self._inflight: Future | None = None
-        self._wakeup: asyncio.Event | None = None
         self._at_start = True  # the next scan is the one of the tree as the agent found it
-        self._settled = False
-        self._failure = ""
-        self._state = "not started"
-        self._logged: set[tuple[str, str]] = set()
         self._bad_dirs: set[str] = set()
         self._bytes_read = 0
         self._lines = 0
-        self._rescans = 0
-        self._overflows = 0
-        self._errors = 0
 
     # ---- read-only figures for metrics and tests ------------------------------------------------
 
@@ -286,17 +238,7 @@ class ProfilingTailer:
     @property
     def rescans(self) -> int:
         """Full walks of the tree: start-up, the root appearing, an inotify overflow."""
-        return self._rescans
-
-    @property
-    def overflows(self) -> int:
-        return self._overflows
-
-    @property
-    def errors(self) -> int:
-        """The tailer's own problems (unreadable directories, state file, consumer exceptions);
-        bad input is the consumer's to count."""
-        return self._errors
+        return self._scans
 
     @property
     def lag_bytes(self) -> int:
@@ -308,54 +250,18 @@ class ProfilingTailer:
                     total += max(size - rank.cursor.offset, 0) if name == rank.cursor.file else size
         return total
 
-    @property
-    def state(self) -> str:
-        return self._state
-
     # ---- component ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._wakeup = asyncio.Event()
         self._load_state()
-        try:
-            self._inotify = INotify(nonblocking=True)
-        except OSError as exc:  # e.g. fs.inotify.max_user_instances reached
-            self._failure = f"cannot watch {self._root}: inotify: {exc}"
-            self._state = "failed"
-            self._errors += 1
-            log.error("profiling tailer cannot start: no inotify instance", extra={"root": self._root, "error": str(exc)})
-            return
-        self._pool = DaemonPool(max_threads=1, name="profiling-tailer")
-        self._loop.add_reader(self._inotify.fileno(), self._on_readable)
-        self._task = asyncio.create_task(self._run(), name="profiling-tailer")
-        self._saver = asyncio.create_task(self._save_periodically(), name="profiling-tailer-state")
+        await super().start()
+        if self._tasks:
+            self._tasks.append(asyncio.create_task(self._save_periodically(), name="profiling-tailer-state"))
 
     async def stop(self) -> None:
-        tasks = [task for task in (self._task, self._saver) if task is not None]
-        for task in tasks:
-            task.cancel()
-        if tasks:  # a task waiting on a stuck read ends at once: the thread is left behind
-            await asyncio.wait(tasks, timeout=STOP_WAIT_S)
-        self._task = self._saver = None
+        await super().stop()
         self._save_state()
-        if self._inotify is not None and not self._inotify.closed:
-            self._loop.remove_reader(self._inotify.fileno())
-            # A walk may still be adding watches: closing the descriptor under it could let the
-            # number be reused. Give it a moment; otherwise the descriptor goes with the process.
-            if self._inflight is not None and not self._inflight.done():
-                await asyncio.wait([asyncio.wrap_future(self._inflight)], timeout=STOP_WAIT_S)
-            if self._inflight is None or self._inflight.done():
-                self._inotify.close()
-            self._pool.close()
         self._state = "stopped"
-
-    def readiness(self) -> tuple[bool, str]:
-        if self._failure:
-            return False, self._failure
-        if not self._settled:
-            return False, f"first scan of {self._root} not finished"
-        return True, ""  # a missing root is normal (no job has profiled yet)
 
     def commit(self, key: RankKey, position: Position) -> None:
         """Everything before `position` of this rank is used: a restart resumes there."""
@@ -367,108 +273,34 @@ class ProfilingTailer:
 
     # ---- the task -------------------------------------------------------------------------------
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self._follow()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug must not end the tailer: cursors stay, a rescan mends the rest
-                self._errors += 1
-                self._settled = True
-                log.exception("profiling tailer failed; rescanning", extra={"root": self._root})
-                self._pending.clear()
-                await asyncio.sleep(self._root_poll_s)
-
-    async def _follow(self) -> None:
-        while True:
-            await self._wait_for_root()
-            if not await self._rescan():
-                await asyncio.sleep(self._root_poll_s)
-                continue
-            while True:
-                if self._dirty:
-                    await self._read_round()
-                    self._on_readable()  # take what is queued, without waiting for more
-                    self._wakeup.clear()
-                else:
-                    await self._next_batch()
-                pending, self._pending = self._pending, {}
-                overflowed, self._overflowed = self._overflowed, False
-                verdict = "rescan" if overflowed else await self._apply(pending)
-                if verdict == "root gone":
-                    self._all_gone()
-                    log.warning("profiling root removed; waiting for it to come back", extra={"root": self._root})
-                    break
-                if verdict == "rescan" and not await self._rescan():
-                    break
+    def _recover(self) -> None:
+        log.exception("profiling tailer failed; rescanning", extra={"root": self._root})
+        self._pending.clear()  # cursors stay, a rescan mends the rest
 
     async def _next_batch(self) -> None:
-        await self._wakeup.wait()
-        if self._batch_window_s > 0:
-            fd = self._inotify.fileno()
-            self._loop.remove_reader(fd)  # let the kernel queue (and merge) for a while
-            try:
-                await asyncio.sleep(self._batch_window_s)
-            finally:
-                self._loop.add_reader(fd, self._on_readable)
-            self._on_readable()
+        if not self._dirty:
+            await super()._next_batch()
+            return
+        await self._read_round()
+        self._on_readable()  # take what is queued, without waiting for more
         self._wakeup.clear()
-
-    async def _in_thread(self, fn: Callable, *args):
-        self._inflight = self._pool.submit(fn, *args)
-        return await asyncio.wrap_future(self._inflight)
 
     async def _save_periodically(self) -> None:
         while True:
             await asyncio.sleep(self._commit_interval_s)
             self._save_state()
 
-    async def _wait_for_root(self) -> None:
-        said = ""
-        while True:
-            problem = await self._in_thread(self._root_problem)
-            if not problem:
-                return
+    async def _wait_for_root(self) -> bool:
+        if waited := await super()._wait_for_root():
             self._at_start = False  # whatever appears later appeared while running
-            self._state = problem
-            self._settled = True
-            if problem != said:
-                said = problem
-                if problem == "waiting for root":
-                    log.info("profiling root does not exist yet; polling for it", extra={
-                        "root": self._root, "interval_s": self._root_poll_s})
-                else:
-                    log.error(f"profiling root refused: {problem}; no records are read", extra={"root": self._root})
-            await asyncio.sleep(self._root_poll_s)
-
-    def _root_problem(self) -> str:
-        try:
-            mode = os.lstat(self._root).st_mode
-        except FileNotFoundError:
-            return "waiting for root"
-        except OSError as exc:
-            return f"cannot stat the root: {exc}"
-        if stat.S_ISLNK(mode):
-            return "the root is a symlink"
-        if not stat.S_ISDIR(mode):
-            return "the root is not a directory"
-        return ""
+        return waited
 
     async def _rescan(self) -> bool:
         """Walk the whole tree; known ranks keep their cursors. False if the root could not be opened."""
-        self._state = "scanning"
         started = self._clock()
         at_start, self._at_start = self._at_start, False
-        walk = await self._in_thread(self._walk, "", at_start and not self._replay)
-        self._rescans += 1
-        self._note(walk.problems)
-        for wd in set(self._watches) - set(walk.watches):
-            self._rm_watch(wd)
-        self._watches = dict(walk.watches)
-        self._settled = True
-        if not walk.start_ok:
-            self._all_gone()
+        walk = await self._scan(at_start and not self._replay)
+        if walk is None:
             return False
         self._adopt(walk, "", fresh=not at_start)
         if self._resume:  # saved ranks that are not there any more
@@ -486,7 +318,7 @@ class ProfilingTailer:
         """Apply a walk of `scope` ("" is the whole tree): ranks not found there are gone."""
         seen = {found.path: found for found in walk.ranks}
         for path, rank in list(self._ranks.items()):
-            if _within(path, scope):
+            if within(path, scope):
                 found = seen.get(path)
                 if found is None or found.inode != rank.inode:
                     self._rank_gone(rank)
@@ -541,28 +373,16 @@ class ProfilingTailer:
             self._state_dirty = True
         self._call("on_rank_gone", rank.key)
 
-    def _all_gone(self) -> None:
+    def _forget_all(self) -> None:
         for rank in list(self._ranks.values()):
             self._rank_gone(rank)
-        for wd in list(self._watches):
-            self._rm_watch(wd)
-        self._watches.clear()
-        self._pending.clear()
+        super()._forget_all()
 
     def _forget_dir(self, directory: str) -> None:
         for path, rank in list(self._ranks.items()):
-            if _within(path, directory):
+            if within(path, directory):
                 self._rank_gone(rank)
-        for wd, path in list(self._watches.items()):
-            if _within(path, directory):
-                del self._watches[wd]
-                self._rm_watch(wd)  # a directory moved out of the root is still watched otherwise
-
-    def _rm_watch(self, wd: int) -> None:
-        try:
-            self._inotify.rm_watch(wd)
-        except (OSError, ValueError):
-            pass  # already gone with its directory
+        super()._forget_dir(directory)
 
     @staticmethod
     def _ahead(rank: _Rank, name: str) -> bool:
@@ -586,101 +406,44 @@ class ProfilingTailer:
 
     # ---- events ---------------------------------------------------------------------------------
 
-    def _on_readable(self) -> None:
-        """Move the queued events into memory, coalesced per (directory, name), and wake the task."""
-        pending = self._pending
-        read = False
-        while True:
-            try:
-                data = os.read(self._inotify.fileno(), 1 << 16)
-            except BlockingIOError:
-                break
-            except OSError as exc:
-                self._note([("cannot read inotify events", ".", str(exc))])
-                break
-            if not data:
-                break
-            read = True
-            if self._overflowed:
-                continue  # a rescan is coming: the details no longer matter
-            for wd, mask, _, name in parse_events(data):
-                if mask & flags.Q_OVERFLOW:
-                    self._overflow("inotify queue overflowed")
-                    break
-                key = (wd, name)
-                before = pending.get(key, 0)
-                if not name:
-                    pending[key] = (before | (_SELF_GONE if mask & _GONE_SELF else 0)
-                                    | (_SELF_IGNORED if mask & flags.IGNORED else 0))
-                elif mask & _GONE:
-                    pending[key] = (before & _DIR_GONE) | _LAST_GONE | (_DIR_GONE if mask & flags.ISDIR else 0)
-                elif mask & flags.ISDIR:
-                    if mask & _ARRIVED:
-                        pending[key] = (before & _DIR_GONE) | _DIR_NEW
-                else:
-                    pending[key] = (before & (_DIR_GONE | _CLOSED)) | (_CLOSED if mask & _DONE else 0)
-            if len(pending) > BACKLOG_MAX:
-                self._overflow("event backlog full")
-        if read:
-            self._wakeup.set()
-
-    def _overflow(self, why: str) -> None:
-        self._pending.clear()
-        self._overflowed = True
-        self._overflows += 1
-        log.warning(f"profiling tailer: {why}; rescanning", extra={"root": self._root})
-
-    async def _apply(self, pending: dict[tuple[int, str], int]) -> str:
-        """Apply one batch of events: "" when done, or "root gone"."""
+    async def _apply(self, pending: dict[tuple[int, str], int]) -> bool:
+        """Apply one batch of events; False: the root itself went away."""
         new_dirs: list[str] = []
-        dropped: list[int] = []
-        for (wd, name), what in pending.items():
-            directory = self._watches.get(wd)
-            if directory is None:
-                continue  # a watch already forgotten
-            if not name:
-                if what & _SELF_GONE:
-                    if directory == "":
-                        return "root gone"
-                    self._forget_dir(directory)  # its parent's event says the same; either is enough
-                if what & _SELF_IGNORED:
-                    dropped.append(wd)
-                continue
-            depth = directory.count("/") + 1 if directory else 0
-            path = _join(directory, name)
+
+        def on_name(directory: str, name: str, what: int) -> None:
+            depth, path = _depth(directory), join(directory, name)
             if depth < 2:  # names of jobs (depth 0) or ranks (depth 1)
-                if what & _DIR_GONE:
+                if what & DIR_GONE:
                     self._forget_dir(path)
-                if what & _DIR_NEW:
+                if what & DIR_NEW:
                     if depth == 1 and not _is_rank_name(name):
                         self._bad_rank_dir(path)
                     else:
                         new_dirs.append(path)
-                continue
-            rank = self._ranks.get(directory)
-            if rank is not None:
+            elif (rank := self._ranks.get(directory)) is not None:
                 self._file_event(rank, name, what)
-        for wd in dropped:
-            self._watches.pop(wd, None)
+
+        if not self._dispatch(pending, on_name):
+            return False
         if new_dirs:
             walks = await self._in_thread(self._walk_each, new_dirs)
             for path, walk in walks:
                 self._note(walk.problems)
                 self._watches.update(walk.watches)
                 self._adopt(walk, path, fresh=True)
-        return ""
+        return True
 
     def _file_event(self, rank: _Rank, name: str, what: int) -> None:
         if is_record_name(name):
-            if what & _LAST_GONE:
+            if what & LAST_GONE:
                 self._drop_file(rank, name)
             elif self._ahead(rank, name):  # an older name is never written again: ignore it
                 rank.files.setdefault(name, None)
                 self._dirty[rank.path] = None
         elif name == GROUP_FILE:
-            if what & _LAST_GONE:
+            if what & LAST_GONE:
                 rank.group_digest = None  # when it comes back, it is handed over again
-            elif what & _CLOSED:  # not on every write: a file being written is not JSON yet
+            elif what & CLOSED:  # not on every write: a file being written is not JSON yet
                 rank.group_dirty = True
                 self._dirty[rank.path] = None
 
@@ -755,9 +518,9 @@ class ProfilingTailer:
     def _read_ranks(self, jobs: list[_ReadJob]) -> list[_Outcome | None]:
         budget = _Budget(self._max_read)
         try:
-            root_fd = os.open(self._root, _DIR_FLAGS)
+            root_fd = os.open(self._root, DIR_FLAGS)
         except OSError as exc:  # gone or swapped: its events say so; no rank can be read now
-            problems = [] if exc.errno in _VANISHED else [("cannot open the root", ".", str(exc))]
+            problems = [] if exc.errno in VANISHED else [("cannot open the root", ".", str(exc))]
             return [_Outcome(job.cursor, problems=problems) for job in jobs]
         try:
             return [self._read_rank(root_fd, job, budget) if budget.left > 0 else None for job in jobs]
@@ -767,9 +530,9 @@ class ProfilingTailer:
     def _read_rank(self, root_fd: int, job: _ReadJob, budget: _Budget) -> _Outcome:
         out = _Outcome(job.cursor)
         try:
-            dir_fd = self._open_dir(root_fd, job.path.split("/"))
+            dir_fd = open_dir(root_fd, job.path.split("/"))
         except OSError as exc:
-            if exc.errno not in _VANISHED:  # removed: its events say so
+            if exc.errno not in VANISHED:  # removed: its events say so
                 out.problems.append(("cannot open a rank directory", job.path, str(exc)))
             return out
         try:
@@ -926,69 +689,25 @@ class ProfilingTailer:
             return _Group("bad", digest, f"not a JSON object but {type(value).__name__}")
         return _Group("ok", digest, value)
 
-    def _open_dir(self, base_fd: int, parts: list[str]) -> int:
-        """A new descriptor of `parts` under `base_fd`, no component followed if it is a symlink."""
-        fd = base_fd
-        for part in parts:
-            try:
-                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            finally:
-                if fd != base_fd:
-                    os.close(fd)
-            fd = child
-        return fd if fd != base_fd else os.dup(base_fd)
-
     def _walk_each(self, directories: list[str]) -> list[tuple[str, _Walk]]:
         return [(directory, self._walk(directory, False)) for directory in directories]
 
     def _walk(self, start: str, want_ends: bool) -> _Walk:
         """Watch and list `start` ("" is the root) and the job and rank directories below it."""
-        out = _Walk()
-        parts = start.split("/") if start else []
-        try:
-            root_fd = os.open(self._root, _DIR_FLAGS)
-            try:
-                fd = self._open_dir(root_fd, parts)
-            finally:
-                os.close(root_fd)
-        except OSError as exc:
-            out.start_ok = False
-            if exc.errno not in _VANISHED:
-                out.problems.append(("cannot open a directory", start or ".", str(exc)))
-            return out
-        self._visit(fd, start, len(parts), want_ends, out)
-        return out
+        return self._walk_tree(start, _Walk(), lambda fd, directory, out: self._list(fd, directory, out, want_ends))
 
-    def _visit(self, fd: int, directory: str, depth: int, want_ends: bool, out: _Walk) -> None:
-        """Watch, then list (whatever appears after the listing raises an event); closes `fd`."""
-        try:
-            target = f"/proc/self/fd/{fd}" if self._proc_fd else os.path.join(self._root, directory)
-            mask = WATCH_MASK if self._proc_fd else WATCH_MASK | flags.DONT_FOLLOW
-            try:
-                out.watches[self._inotify.add_watch(target, mask)] = directory
-            except OSError as exc:  # ENOSPC: fs.inotify.max_user_watches
-                out.problems.append(("cannot watch a directory", directory or ".", str(exc)))
-            if depth == 2:
-                out.ranks.append(self._list_rank(fd, directory, want_ends, out))
-                return
-            with os.scandir(fd) as entries:
-                children = [entry.name for entry in entries if entry.is_dir(follow_symlinks=False)]
-            for name in children:
-                path = _join(directory, name)
-                if depth == 1 and not _is_rank_name(name):
-                    out.bad_rank_dirs.append(path)
-                    continue
-                try:
-                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
-                except OSError as exc:
-                    if exc.errno not in _VANISHED:
-                        out.problems.append(("cannot open a directory", path, str(exc)))
-                    continue
-                self._visit(child, path, depth + 1, want_ends, out)
-        except OSError as exc:
-            out.problems.append(("cannot list a directory", directory or ".", str(exc)))
-        finally:
-            os.close(fd)
+    def _list(self, fd: int, directory: str, out: _Walk, want_ends: bool) -> list[str]:
+        """A rank directory's files; above the ranks, the subdirectories to walk."""
+        depth = _depth(directory)
+        if depth == 2:
+            out.ranks.append(self._list_rank(fd, directory, want_ends, out))
+            return []
+        with os.scandir(fd) as entries:
+            children = [entry.name for entry in entries if entry.is_dir(follow_symlinks=False)]
+        if depth == 1:
+            out.bad_rank_dirs.extend(join(directory, name) for name in children if not _is_rank_name(name))
+            children = [name for name in children if _is_rank_name(name)]
+        return children
 
     def _list_rank(self, fd: int, directory: str, want_ends: bool, out: _Walk) -> _RankSeen:
         found = _RankSeen(directory, os.fstat(fd).st_ino)
@@ -1103,17 +822,3 @@ class ProfilingTailer:
                 self._logged.add(("consumer", method))
                 log.exception(f"profiling tailer: the consumer's {method} failed; the tailer goes on",
                               extra={"root": self._root})
-
-    def _note(self, problems: list[tuple[str, str, str]]) -> None:
-        """Count every problem; log each (what, path) once, and only the first LOGGED_MAX of them."""
-        self._errors += len(problems)
-        for what, path, error in problems:
-            key = (what, path)
-            if key in self._logged or len(self._logged) > LOGGED_MAX:
-                continue
-            self._logged.add(key)
-            if len(self._logged) > LOGGED_MAX:
-                log.warning("profiling tailer: more problems than are worth logging; they are only counted",
-                            extra={"root": self._root})
-                continue
-            log.warning(f"profiling tailer: {what}", extra={"root": self._root, "path": path, "error": error})
