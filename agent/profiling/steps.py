@@ -82,13 +82,13 @@ class RankAssembler:
     errors: Counter = field(default_factory=Counter)  # reason -> count (the caller logs and exports them)
     newest_host_ns: int = 0  # the newest host timestamp seen: the parser's lag
     _names: dict = field(default_factory=dict)  # id -> [name, domain, pid | None, halves paired]
-    _open: dict = field(default_factory=dict)  # (id, source) -> (is_start, ts, flag, position)
+    _open: tuple = field(default_factory=lambda: ({}, {}))  # per source: id -> (is_start, ts, flag, position)
     _steps: dict = field(default_factory=dict)  # range id -> _Step
     _phases: list = field(default_factory=list)  # _Range, in completion order
 
     def feed(self, markers: list[tuple], position: object) -> None:
         """Pair `records.parse` markers (raw fields); `position` is where they were read."""
-        names, pending, errors = self._names, self._open, self.errors
+        names, (host_open, device_open), errors = self._names, self._open, self.errors
         newest = self.newest_host_ns
         for flag, source, stamp, ident, pid, name, domain in markers:
             if flag in START_FLAGS:
@@ -109,17 +109,17 @@ class RankAssembler:
                         del names[next(iter(names))]
             elif host and known[2] is None:
                 known[2] = pid  # device records carry the device id there, not the process
-            key = (ident, source)
-            other = pending.pop(key, None)
+            pending = host_open if host else device_open  # records pair by (Id, SourceKind)
+            other = pending.pop(ident, None)
             if other is None:
-                pending[key] = (is_start, ts, flag, position)
+                pending[ident] = (is_start, ts, flag, position)
                 if len(pending) > MAX_OPEN:
                     del pending[next(iter(pending))]
                     errors["unpaired"] += 1
                 continue
             if other[0] == is_start:  # two starts (or two ends) for one id: ids reused
                 errors["id_reused"] += 1
-                pending[key] = (is_start, ts, flag, position)
+                pending[ident] = (is_start, ts, flag, position)
                 continue
             if is_start:
                 start, end, start_flag, first = ts, other[1], flag, other[3]
@@ -144,13 +144,15 @@ class RankAssembler:
         if domain != b"default":
             return  # communication and other domains: not used without their markers switched on
         source = 0 if host else 1
-        phase = _PHASES.get(name) or _PHASES.get(text(name).lower())
+        phase = _PHASES.get(name)
+        if phase is None:
+            lowered = text(name).lower()
+            phase = _PHASES.get(lowered)
         if phase is not None:
             self._phases.append(_Range(phase, source, start, end, position))
             if len(self._phases) > MAX_PHASES:
                 del self._phases[:len(self._phases) - MAX_PHASES]
             return
-        lowered = text(name).lower()
         if b"step" not in lowered:
             return
         match = _STEP.search(lowered)
@@ -212,7 +214,7 @@ class RankAssembler:
 
     def oldest_needed(self) -> object | None:
         """The position of the oldest record that a step still to come may need; None: nothing."""
-        candidates = [v[3] for v in self._open.values()]
+        candidates = [v[3] for pending in self._open for v in pending.values()]
         candidates += [s.position for s in self._steps.values()]
         candidates += [r.position for r in self._phases]
         return min(candidates) if candidates else None
