@@ -101,14 +101,15 @@ class RankAssembler:
             host = source == b"0"
             if host and ts > newest:
                 newest = ts
-            known = names.get(ident)
-            if known is None:
-                if is_start and name not in _NO_NAME:
-                    names[ident] = [name, domain, pid if host else None, 0]
-                    if len(names) > MAX_OPEN:
-                        del names[next(iter(names))]
-            elif host and known[2] is None:
-                known[2] = pid  # device records carry the device id there, not the process
+            if is_start:  # only a start carries the name
+                known = names.get(ident)
+                if known is None:
+                    if name not in _NO_NAME:
+                        names[ident] = [name, domain, pid if host else None, 0]
+                        if len(names) > MAX_OPEN:
+                            del names[next(iter(names))]
+                elif host and known[2] is None:
+                    known[2] = pid  # device records carry the device id there, not the process
             pending = host_open if host else device_open  # records pair by (Id, SourceKind)
             other = pending.pop(ident, None)
             if other is None:
