@@ -105,6 +105,19 @@ class SlowRankDetector:
         self.config = config
         self.ranks: dict[RankKey, RankState] = {}
         self._peers: dict[tuple[str, str], dict[RankKey, RankState]] = {}  # (job, stage) -> its ranks
+        self._saved: dict[RankKey, dict] = {}  # baselines of an earlier run, until the rank's first step
+
+    def snapshot(self, key: RankKey) -> dict | None:
+        """What a restart needs to go on judging the rank without learning it again."""
+        state = self.ranks.get(key)
+        if state is None or state.baseline is None:
+            return None
+        return {"pid": state.pid, "baseline": state.baseline, "sigma": state.sigma,
+                "compute_baseline": state.compute_baseline, "rest_baseline": state.rest_baseline}
+
+    def restore(self, key: RankKey, saved: dict) -> None:
+        """Use `snapshot`'s baselines if the rank's next step comes from the same process."""
+        self._saved[key] = saved
 
     def forget(self, key: RankKey) -> None:
         state = self.ranks.pop(key, None)
@@ -119,6 +132,11 @@ class SlowRankDetector:
             self.forget(key)
             state = self.ranks[key] = RankState(stage=stage, pid=sample.pid, warmup_left=cfg.warmup_steps)
             state._durations = deque(maxlen=cfg.rebaseline_window)
+            saved = self._saved.pop(key, None)
+            if saved is not None and saved.get("pid") == sample.pid:  # the agent restarted, training did not
+                state.baseline, state.sigma = saved["baseline"], saved["sigma"]
+                state.compute_baseline, state.rest_baseline = saved["compute_baseline"], saved["rest_baseline"]
+                state.warmup_left = 0
             self._peers.setdefault((key.job_id, stage), {})[key] = state
         elif state.stage != stage:  # parallel_group.json appeared or changed
             self._peers.get((key.job_id, state.stage), {}).pop(key, None)
@@ -170,6 +188,8 @@ class SlowRankDetector:
             state.rest_baseline = _median(rests) if rests else None
             state._learning = []
             return
+        if len(state._recent) < RECENT:
+            return  # m5 is the median of five (only short after a restart with restored baselines)
         m5 = _median(state._recent)
         state.ratio = m5 / state.baseline
         if m5 >= cfg.raise_ratio * state.baseline and m5 >= state.baseline + cfg.raise_sigmas * state.sigma:

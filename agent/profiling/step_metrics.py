@@ -4,7 +4,8 @@ The tailer hands complete lines of each rank's files; they are parsed (`records`
 (`steps`), judged (`detect`), and summed into per-rank histograms. After each batch the oldest input
 position a rank still needs is committed back to the tailer, so a restart reads again from there;
 the steps that re-reading finds a second time are dropped by (process, step number), which is kept
-in `<state_dir>/steps.json`. Bad input is counted by reason and logged at most once a minute per
+in `<state_dir>/steps.json` with the detector's baselines (a restart goes on judging a rank whose
+training process did not restart, instead of learning it for 70 steps). Bad input is counted by reason and logged at most once a minute per
 file and reason; it never stops the rest.
 """
 
@@ -108,6 +109,7 @@ class StepMetrics:
         self._logged: dict[tuple, float] = {}
         self._saved_at = 0.0
         self._unsaved = False
+        self._baselines: dict[str, dict] = {}  # job/rank -> the detector's baselines of the last run
         self._restored = self._load()
 
     async def start(self) -> None:
@@ -175,7 +177,10 @@ class StepMetrics:
         series = self.ranks.get(key)
         if series is None:
             series = self.ranks[key] = RankSeries(key, last_input_at=self._clock())
-            series.last_steps = dict(self._restored.get(f"{key.job_id}/{key.rank}", {}))
+            name = f"{key.job_id}/{key.rank}"
+            series.last_steps = dict(self._restored.get(name, {}))
+            if name in self._baselines:
+                self.detector.restore(key, self._baselines[name])
         return series
 
     def _count(self, series: RankSeries, sample: StepSample) -> None:
@@ -215,7 +220,9 @@ class StepMetrics:
         try:
             data = json.loads(self._state_file.read_text())
             ranks = data["ranks"]
-            return {str(k): {int(pid): int(step) for pid, step in v.items()} for k, v in ranks.items()}
+            restored = {str(k): {int(pid): int(step) for pid, step in v.items()} for k, v in ranks.items()}
+            self._baselines = {str(k): _baseline(v) for k, v in data.get("baselines", {}).items()}
+            return restored
         except FileNotFoundError:
             return {}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -226,8 +233,10 @@ class StepMetrics:
     def save(self) -> None:
         ranks = {f"{k.job_id}/{k.rank}": {str(pid): step for pid, step in s.last_steps.items()}
                  for k, s in self.ranks.items()}
+        baselines = {f"{k.job_id}/{k.rank}": saved for k in self.ranks
+                     if (saved := self.detector.snapshot(k)) is not None}
         try:
-            atomic_write(self._state_file, json.dumps({"version": 1, "ranks": ranks}).encode())
+            atomic_write(self._state_file, json.dumps({"version": 1, "ranks": ranks, "baselines": baselines}).encode())
         except OSError as exc:
             log.error("cannot save the step state", extra={"path": str(self._state_file), "error": str(exc)})
             return
@@ -235,6 +244,15 @@ class StepMetrics:
 
     def job_labels(self, job_id: str) -> tuple[str, str]:
         return self._job_labels(job_id)
+
+
+def _baseline(saved: dict) -> dict:
+    """A saved baseline, checked: a wrong type raises (and the whole state is ignored)."""
+    numbers = {k: (None if saved[k] is None else float(saved[k]))
+               for k in ("baseline", "sigma", "compute_baseline", "rest_baseline")}
+    if numbers["baseline"] is None or numbers["sigma"] is None:
+        raise ValueError("a baseline without its value")
+    return {"pid": int(saved["pid"]), **numbers}
 
 
 def pipeline_stage(group: dict, rank: int) -> str | None:

@@ -154,3 +154,25 @@ def test_the_node_is_host_slow_when_every_rank_slows_outside_its_forward():
     assert replay.detector.node_verdict(JOB) == {NODE_RANKS: True, NODE_HOST: True}
     assert replay.flagged(COMPUTE) == {}
     assert replay.detector.node_verdict("another-job") == {NODE_RANKS: False, NODE_HOST: False}
+
+
+def test_restored_baselines_judge_at_once_for_the_same_process_only():
+    replay = Replay(SyntheticJob(ranks=2, stages=1, checkpoint_every=0, seed=13))
+    replay.run(1, 100)
+    saved = {key: replay.detector.snapshot(key) for key in replay.detector.ranks}
+    assert all(s is not None and abs(s["baseline"] - 1.0) < 0.02 for s in saved.values())
+
+    # The agent restarts; training goes on, 30 % slower: no warm-up, no learning; flagged once m5 has
+    # its five steps and two evaluations agree (FD-OL would learn the slow speed as its baseline).
+    after = Replay(replay.job, SlowRankDetector())
+    for key, snapshot in saved.items():
+        after.detector.restore(key, snapshot)
+    after.run(101, 106, lambda n, t: RankTiming(t.rank, t.duration_s * 1.3, t.forward_s, t.dataloader_s, 0.0))
+    assert after.flagged(TEMPORAL) == {0: 106, 1: 106}
+
+    # A new training process (other pids) does not inherit them: it warms up and learns again.
+    fresh = Replay(replay.job, SlowRankDetector(), pid_base=9000)
+    for key, snapshot in saved.items():
+        fresh.detector.restore(key, snapshot)
+    fresh.run(101, 110, lambda n, t: RankTiming(t.rank, t.duration_s * 1.3, t.forward_s, t.dataloader_s, 0.0))
+    assert fresh.first_flag == {} and all(s.baseline is None for s in fresh.detector.ranks.values())

@@ -116,3 +116,19 @@ def test_the_pipeline_stage_is_the_rank_s_index_in_its_pp_group():
     assert pipeline_stage(group, 9) == "1"
     assert pipeline_stage({"a": {"group_name": "dp", "global_ranks": [0, 1]}}, 0) == ""  # no pipeline: one stage
     assert pipeline_stage(group, 4) is None and pipeline_stage([], 0) is None
+
+
+def test_the_baselines_survive_a_restart_in_the_step_state(tmp_path):
+    clock = Clock()
+    lines = job_lines(80)
+    steps, _ = consumer(tmp_path, clock)
+    steps.on_lines(KEY, "1800000000", 0, b"".join(lines[:75]))
+    steps.on_batch_end()
+    baseline = steps.detector.ranks[KEY].baseline
+    assert baseline is not None
+    steps.save()
+    again, _ = consumer(tmp_path, clock)
+    again.on_lines(KEY, "1800000000", 0, b"".join(lines))
+    again.on_batch_end()
+    state = again.detector.ranks[KEY]
+    assert again.ranks[KEY].steps_total == 5 and state.baseline == baseline and state.warmup_left == 0
