@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import importlib.util
+import importlib
 import logging
 import platform
 import signal
@@ -59,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_version(args) -> int:
-    native = "loaded" if importlib.util.find_spec("agent._native") else "not built"
+    try:
+        importlib.import_module("agent._native")
+        native = "loaded (agent.worker serialises MSPTI records in C)"
+    except ImportError as exc:
+        native = f"not loaded ({exc}); agent.worker uses its pure-Python collector"
     print(f"npu-node-agent {__version__}\npython {platform.python_version()} ({platform.machine()})\n"
           f"native extension: {native}")
     return EXIT_OK

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from tests.fakes.dcmi import FakeDcmiControl, build_fake_dcmi
+from tests.fakes.mspti import build_fake_mspti
 from tests.fakes.kube import KubeStandIn
 from tests.integration.harness import AgentProcess, wait_until
 
@@ -26,6 +27,13 @@ def fake_libs(tmp_path_factory) -> Path:
     build_fake_dcmi(out, "full")
     build_fake_dcmi(out, "no_subscribe")
     return out
+
+
+@pytest.fixture(scope="session")
+def fake_mspti_path(tmp_path_factory) -> Path:
+    """One fake libmspti.so per test run: it is loaded RTLD_GLOBAL, and a second copy's own calls
+    would bind to the first copy's symbols, so every test module must share this one."""
+    return build_fake_mspti(tmp_path_factory.mktemp("fake-mspti"))
 
 
 @pytest.fixture

@@ -122,6 +122,7 @@ def test_run_with_a_bad_config_exits_2_with_one_line(tmp_path):
 def test_version():
     result = cli("version")
     assert result.returncode == 0 and result.stdout.startswith("npu-node-agent 0.1.0")
+    assert "native extension: loaded" in result.stdout  # built by pip install (CI has a C compiler)
 
 
 def test_demo_shows_faults_appearing_escalating_and_clearing(tmp_path):

@@ -1,0 +1,437 @@
+"""agent._native.Collector against the fake libmspti.so (tests/fakes/mspti), in this process.
+
+Nothing here is skipped: CI builds the extension with `pip install -e .`, so an import failure is
+a test failure that carries the reason."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fakes.mspti import load_fake_mspti
+
+try:
+    import agent._native as native
+
+    IMPORT_ERROR = None
+except Exception as exc:  # noqa: BLE001 - reported by the tests below
+    native = None
+    IMPORT_ERROR = exc
+
+REPO = Path(__file__).resolve().parents[2]
+MARKER, KERNEL, API, MEMORY = 1, 2, 3, 5
+MARKER_KEYS = ["Kind", "Flag", "SourceKind", "Timestamp", "Id", "MsptiObjectId", "Name", "Domain"]
+API_KEYS = ["Kind", "Start", "End", "Pt", "CorrelationId", "Name"]
+KERNEL_KEYS = ["Kind", "Start", "End", "Ds", "CorrelationId", "Type", "Name"]
+COUNTER_KEYS = {"records", "bytes", "buffers_requested", "buffers_declined", "buffers_completed",
+                "records_dropped", "records_skipped"}
+TS_BASE = 1755771234000000000  # the fake's timestamps: TS_BASE + id * 1000
+
+
+def go_string(raw: bytes | None) -> str:
+    """Go encoding/json (1.22+, HTML escaping) of a string holding these bytes; None -> "NULL"."""
+    if raw is None:
+        return '"NULL"'
+    out, i = ['"'], 0
+    short = {0x22: '\\"', 0x5C: "\\\\", 0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t", 0x08: "\\b", 0x0C: "\\f"}
+    while i < len(raw):
+        c = raw[i]
+        if c < 0x80:
+            if c in short:
+                out.append(short[c])
+            elif c < 0x20 or chr(c) in "<>&":
+                out.append(f"\\u{c:04x}")
+            else:
+                out.append(chr(c))
+            i += 1
+            continue
+        for n in (2, 3, 4):
+            try:
+                ch = raw[i:i + n].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            out.append({"\u2028": "\\u2028", "\u2029": "\\u2029"}.get(ch, ch))
+            i += n
+            break
+        else:
+            out.append("\\ufffd")  # Go: each invalid byte on its own
+            i += 1
+    out.append('"')
+    return "".join(out)
+
+
+def marker_line(id_: int, name: bytes | None, domain: bytes | None, flag: int, source: int, a: int, b: int) -> bytes:
+    return (f'{{"Kind":1,"Flag":{flag},"SourceKind":{source},"Timestamp":{TS_BASE + id_ * 1000},"Id":{id_},'
+            f'"MsptiObjectId":{{"Pt":{{"ProcessId":{a},"ThreadId":{b}}},"Ds":{{"DeviceId":{a},"StreamId":{b}}}}},'
+            f'"Name":{go_string(name)},"Domain":{go_string(domain)}}}\n').encode("utf-8")
+
+
+@pytest.fixture(scope="session")
+def fake(fake_mspti_path):
+    return fake_mspti_path, load_fake_mspti(fake_mspti_path)
+
+
+@pytest.fixture
+def lib(fake):
+    lib = fake[1]
+    lib.fake_mspti_reset()
+    yield lib
+    lib.fake_mspti_wait_idle()
+
+
+@pytest.fixture
+def open_collector(fake, lib):
+    """open_collector(**kw) -> a Collector on the fake; closed after the test."""
+    if native is None:
+        pytest.fail(f"agent._native failed to import: {IMPORT_ERROR!r}")
+    made = []
+
+    def open_(**kw):
+        c = native.Collector(str(fake[0]), **kw)
+        made.append(c)
+        return c
+
+    yield open_
+    for c in made:
+        c.close()
+
+
+def settle(c, lib) -> bytes:
+    lib.fake_mspti_wait_idle()
+    c.flush()
+    return c.drain()
+
+
+def parse(data: bytes) -> list:
+    assert data == b"" or data.endswith(b"\n")
+    return [json.loads(line) for line in data.splitlines()]
+
+
+def test_extension_imports():
+    assert native is not None, f"agent._native failed to import (CI builds it): {IMPORT_ERROR!r}"
+    assert hasattr(native, "Collector")
+
+
+def test_every_record_exactly_once_in_taskd_key_order(open_collector, lib):
+    c = open_collector(buffers=8, buffer_bytes=4096)
+    c.set_switch(True, True)
+    first = lib.fake_mspti_next_id()
+    streams = [(20000, b"step 1", b"default", 16, 0), (5000, b'{"opName":"HcclAllReduce"}', b"communication", 2, 0),
+               (3000, None, None, 32, 1), (2000, b"dataloader", b"default", 4, 0)]
+    for count, name, domain, flag, source in streams:
+        assert lib.fake_mspti_emit(count, name, domain, flag, source) == 0
+    chunks = []
+    while lib.fake_mspti_emitted() + lib.fake_mspti_dropped() < sum(s[0] for s in streams):
+        chunks.append(c.drain())  # drain concurrently with the callbacks
+    chunks.append(settle(c, lib))
+    data = b"".join(chunks)
+    assert lib.fake_mspti_dropped() == 0
+    lines = data.splitlines()
+    assert len(lines) == lib.fake_mspti_emitted() == 30000
+    ids = []
+    for line in lines:
+        pairs = json.loads(line, object_pairs_hook=list)
+        assert [k for k, _ in pairs] == MARKER_KEYS
+        rec = dict(pairs)
+        obj = rec["MsptiObjectId"]
+        assert [k for k, _ in obj] == ["Pt", "Ds"]
+        pt, ds = dict(obj)["Pt"], dict(obj)["Ds"]
+        assert [k for k, _ in pt] == ["ProcessId", "ThreadId"] and [k for k, _ in ds] == ["DeviceId", "StreamId"]
+        assert [v for _, v in pt] == [v for _, v in ds]
+        assert rec["Timestamp"] == TS_BASE + rec["Id"] * 1000
+        ids.append(rec["Id"])
+    assert len(set(ids)) == len(ids)
+    assert set(ids) == set(range(first, lib.fake_mspti_next_id()))
+    counters = c.counters()
+    assert set(counters) == COUNTER_KEYS
+    assert counters["records"] == 30000 and counters["bytes"] == len(data)
+    assert counters["records_dropped"] == counters["records_skipped"] == counters["buffers_declined"] == 0
+    assert counters["buffers_completed"] == counters["buffers_requested"] == lib.fake_mspti_completed()
+
+
+NAMES = [
+    b"step 120",
+    b'say "hi"',
+    b"back\\slash \\\" \\n",
+    b"new\nline\r\ttab\bbs\fff",
+    bytes(range(1, 32)) + b"\x7f",
+    b'<a href="x">&amp;</a>',
+    "naïve 日本語 🚀 ä".encode(),
+    b"bad \xff\xfe \xc3 \xe2\x82 \xed\xa0\x80 \xf4\x90\x80\x80 \xc0\xaf \xe0\x80\x80 \xf0\x8f\xbf\xbf end\xe2",
+    "line\u2028para\u2029".encode(),
+    b"",
+    None,
+    b"{\\\"opName\\\": \\\"HcclAllReduce\\\",\\\"count\\\": \\\"4194304\\\"}",
+    (b"0123456789<>&\"\\\xc3\xa9" * 8000)[: 100 * 1024],
+]
+
+
+def test_names_escaped_like_go_json(open_collector, lib):
+    c = open_collector()
+    c.set_switch(True, True)
+    lib.fake_mspti_set_object_id(1, 48213, 48230)
+    expected = []
+    domains = [b"default", b"communication", None, b"d<o>m\"ain\n", b"\xff"]
+    for i, name in enumerate(NAMES):
+        domain = domains[i % len(domains)]
+        id_ = lib.fake_mspti_next_id()
+        assert lib.fake_mspti_emit(1, name, domain, 2, 0) == 0
+        lib.fake_mspti_wait_idle()
+        expected.append(marker_line(id_, name, domain, 2, 0, 48213, 48230))
+    got = settle(c, lib)
+    assert got.splitlines(keepends=True) == expected
+    for line, name in zip(got.splitlines(), NAMES):
+        rec = json.loads(line)
+        if name is None:
+            assert rec["Name"] == "NULL"
+        elif b"\xff" not in name and b"\xc3 " not in name:
+            assert rec["Name"] == name.decode("utf-8")
+    long_line = got.splitlines()[-1]
+    assert len(long_line) > 100 * 1024
+
+
+def test_byte_exact_lines(open_collector, lib):
+    c = open_collector()
+    c.set_switch(True, True)
+    lib.fake_mspti_set_object_id(1, 48213, 48230)
+    id_ = lib.fake_mspti_next_id()
+    lib.fake_mspti_emit(1, b"step 120", b"default", 16, 0)
+    lib.fake_mspti_wait_idle()
+    lib.fake_mspti_set_object_id(1, 3, 2)
+    lib.fake_mspti_emit(1, None, None, 32, 1)
+    lib.fake_mspti_wait_idle()
+    lib.fake_mspti_emit(1, b'a"b\\c\n\x01<&>\xe2\x80\xa8\xff\xc3\xa9', b"communication", 8, 1)
+    got = settle(c, lib)
+    t = TS_BASE + id_ * 1000
+    assert got == (
+        b'{"Kind":1,"Flag":16,"SourceKind":0,"Timestamp":%d,"Id":%d,"MsptiObjectId":{"Pt":{"ProcessId":48213,'
+        b'"ThreadId":48230},"Ds":{"DeviceId":48213,"StreamId":48230}},"Name":"step 120","Domain":"default"}\n'
+        b'{"Kind":1,"Flag":32,"SourceKind":1,"Timestamp":%d,"Id":%d,"MsptiObjectId":{"Pt":{"ProcessId":3,'
+        b'"ThreadId":2},"Ds":{"DeviceId":3,"StreamId":2}},"Name":"NULL","Domain":"NULL"}\n'
+        b'{"Kind":1,"Flag":8,"SourceKind":1,"Timestamp":%d,"Id":%d,"MsptiObjectId":{"Pt":{"ProcessId":3,'
+        b'"ThreadId":2},"Ds":{"DeviceId":3,"StreamId":2}},"Name":"a\\"b\\\\c\\n\\u0001\\u003c\\u0026\\u003e'
+        b'\\u2028\\ufffd\xc3\xa9","Domain":"communication"}\n'
+        % (t, id_, t + 1000, id_ + 1, t + 2000, id_ + 2)
+    )
+
+
+def test_api_and_kernel_records(open_collector, lib):
+    c = open_collector()
+    c.set_switch(True, False)
+    for kind in (API, KERNEL, MEMORY):
+        assert lib.msptiActivityEnable(kind) == 0
+    lib.fake_mspti_set_object_id(1, 7, 9)
+    id_ = lib.fake_mspti_next_id()
+    lib.fake_mspti_emit_kind(API, 2, b"aclnnAdd<fp16>", None, 0, 0)
+    lib.fake_mspti_wait_idle()
+    lib.fake_mspti_emit_kind(KERNEL, 1, b"Add_\"k\"", b"AI_CORE", 0, 1)
+    lib.fake_mspti_wait_idle()
+    lib.fake_mspti_emit_kind(KERNEL, 1, None, None, 0, 1)
+    lib.fake_mspti_wait_idle()
+    lib.fake_mspti_emit_kind(MEMORY, 3, b"x", None, 0, 0)
+    lib.fake_mspti_wait_idle()
+    lib.fake_mspti_emit(1, b"m", b"default", 1, 0)
+    got = settle(c, lib)
+    t = [TS_BASE + (id_ + k) * 1000 for k in range(4)]
+    lines = got.splitlines(keepends=True)
+    assert lines[:4] == [
+        b'{"Kind":3,"Start":%d,"End":%d,"Pt":{"ProcessId":7,"ThreadId":9},"CorrelationId":%d,'
+        b'"Name":"aclnnAdd\\u003cfp16\\u003e"}\n' % (t[0], t[0] + 500, id_),
+        b'{"Kind":3,"Start":%d,"End":%d,"Pt":{"ProcessId":7,"ThreadId":9},"CorrelationId":%d,'
+        b'"Name":"aclnnAdd\\u003cfp16\\u003e"}\n' % (t[1], t[1] + 500, id_ + 1),
+        b'{"Kind":2,"Start":%d,"End":%d,"Ds":{"DeviceId":7,"StreamId":9},"CorrelationId":%d,"Type":"AI_CORE",'
+        b'"Name":"Add_\\"k\\""}\n' % (t[2], t[2] + 500, id_ + 2),
+        b'{"Kind":2,"Start":%d,"End":%d,"Ds":{"DeviceId":7,"StreamId":9},"CorrelationId":%d,"Type":"NULL",'
+        b'"Name":"NULL"}\n' % (t[3], t[3] + 500, id_ + 3),
+    ]
+    assert [k for k, _ in json.loads(lines[0], object_pairs_hook=list)] == API_KEYS
+    assert [k for k, _ in json.loads(lines[2], object_pairs_hook=list)] == KERNEL_KEYS
+    assert len(lines) == 5 and json.loads(lines[4])["Name"] == "m"
+    assert c.counters()["records_skipped"] == 3 and c.counters()["records"] == 5
+
+
+def test_switch_semantics(open_collector, lib):
+    c = open_collector()
+    state = lib.fake_mspti_state
+    c.set_switch(False, False)
+    assert state() & ((1 << 33) | (1 << 32) | (1 << MARKER)) == 0
+    lib.fake_mspti_emit(100, b"step 1", b"default", 2, 0)
+    lib.fake_mspti_emit(100, b"{}", b"communication", 2, 0)
+    assert settle(c, lib) == b""
+    assert lib.fake_mspti_filtered() == 200
+
+    c.set_switch(True, False)  # default on, comm off
+    assert state() & (1 << 33) and state() & (1 << MARKER) and not state() & (1 << 32)
+    lib.fake_mspti_emit(100, b"step 1", b"default", 2, 0)
+    lib.fake_mspti_emit(100, b"{}", b"communication", 2, 0)
+    recs = parse(settle(c, lib))
+    assert len(recs) == 100 and {r["Domain"] for r in recs} == {"default"}
+
+    c.set_switch(True, True)  # subscribing again is skipped, comm on
+    assert state() & (1 << 33) and state() & (1 << 32)
+    lib.fake_mspti_emit(100, b"step 1", b"default", 2, 0)
+    lib.fake_mspti_emit(100, b"{}", b"communication", 2, 0)
+    recs = parse(settle(c, lib))
+    assert len(recs) == 200 and sorted({r["Domain"] for r in recs}) == ["communication", "default"]
+
+    assert lib.msptiActivityEnable(API) == 0 and lib.msptiActivityEnable(KERNEL) == 0
+    c.set_switch(False, True)  # off: MARKER, KERNEL, API disabled and unsubscribed
+    s = state()
+    assert s & ((1 << MARKER) | (1 << API) | (1 << KERNEL) | (1 << 33)) == 0 and s & (1 << 32)
+    lib.fake_mspti_emit(100, b"{}", b"communication", 2, 0)
+    assert settle(c, lib) == b""
+
+
+def test_pool_exhaustion_declines_without_blocking(open_collector, lib):
+    c = open_collector(buffers=2, buffer_bytes=128)  # two records per buffer
+    c.set_switch(True, False)
+    lib.fake_mspti_hold_completions(1)  # mspti sits on full buffers: the pool runs dry
+    t0 = time.monotonic()
+    lib.fake_mspti_emit(5000, b"step 1", b"default", 2, 0)
+    lib.fake_mspti_wait_idle()
+    assert time.monotonic() - t0 < 5
+    counters = c.counters()
+    assert counters["buffers_declined"] == lib.fake_mspti_declined() > 0
+    assert counters["buffers_requested"] == lib.fake_mspti_requests()
+    lib.fake_mspti_hold_completions(0)
+    recs = parse(settle(c, lib))
+    assert len(recs) == lib.fake_mspti_emitted() == 4
+    assert lib.fake_mspti_emitted() + lib.fake_mspti_dropped() == 5000
+    # The buffers came back: collection resumes.
+    lib.fake_mspti_emit(10, b"step 2", b"default", 2, 0)
+    assert len(parse(settle(c, lib))) == 10
+
+
+def test_ring_full_drops_whole_records(open_collector, lib):
+    c = open_collector(buffers=4, buffer_bytes=1024, ring_bytes=4096)
+    c.set_switch(True, False)
+    lib.fake_mspti_emit(500, "step ü".encode(), b"default", 2, 0)
+    data = settle(c, lib)
+    counters = c.counters()
+    assert counters["records_dropped"] > 0
+    assert counters["records"] + counters["records_dropped"] == lib.fake_mspti_emitted() == 500
+    assert 0 < len(data) <= 4096 and len(parse(data)) == counters["records"]
+    lib.fake_mspti_emit(5, b"after", b"default", 2, 0)
+    assert [r["Name"] for r in parse(settle(c, lib))] == ["after"] * 5
+
+
+def test_close_is_idempotent_and_keeps_the_tail(open_collector, lib, fake):
+    c = open_collector(buffers=4, buffer_bytes=4096)
+    c.set_switch(True, False)
+    lib.fake_mspti_emit(30, b"step 3", b"default", 2, 0)
+    lib.fake_mspti_wait_idle()
+    c.close()  # switches off, flushes: the partly filled buffer's records end up in the last drain
+    c.close()
+    assert len(parse(c.drain())) == 30 and c.drain() == b""
+    assert c.counters()["records"] == 30
+    assert lib.fake_mspti_state() & ((1 << MARKER) | (1 << 33)) == 0
+    c.flush()
+    with pytest.raises(ValueError):
+        c.set_switch(True, True)
+    lib.fake_mspti_emit(10, b"late", b"default", 2, 0)  # MARKER is off now
+    lib.fake_mspti_wait_idle()
+    assert lib.fake_mspti_filtered() == 10
+
+
+def test_close_while_streaming_then_reopen(open_collector, lib):
+    c = open_collector(buffers=4, buffer_bytes=2048)
+    c.set_switch(True, False)
+    lib.fake_mspti_emit(300000, b"step 4", b"default", 2, 0)
+    time.sleep(0.02)
+    c.close()
+    # Re-enable MARKER behind the closed collector's back: late requests are declined, nothing crashes.
+    assert lib.msptiActivityEnable(MARKER) == 0
+    lib.fake_mspti_wait_idle()
+    lib.msptiActivityFlushAll(1)
+    closed = c.counters()
+    assert closed == c.counters()
+    assert len(parse(c.drain())) == closed["records"]
+    c2 = open_collector(buffers=4, buffer_bytes=2048)
+    c2.set_switch(True, False)
+    lib.fake_mspti_emit(1000, b"step 5", b"default", 2, 0)
+    recs = parse(settle(c2, lib))
+    assert len(recs) == 1000 and {r["Name"] for r in recs} == {"step 5"}
+    assert c2.counters()["records"] == 1000
+
+
+def test_one_open_collector_and_load_errors(open_collector, fake, tmp_path):
+    c = open_collector()
+    with pytest.raises(RuntimeError):
+        native.Collector(str(fake[0]))
+    c.close()
+    with pytest.raises(OSError, match="nope.so"):
+        native.Collector(str(tmp_path / "nope.so"))
+    libm = ctypes.util.find_library("m")
+    with pytest.raises(OSError, match="missing symbol msptiActivityEnable"):
+        native.Collector(libm or "libm.so.6")
+    with pytest.raises(ValueError):
+        native.Collector(str(fake[0]), buffers=0)
+    with pytest.raises(TypeError):
+        native.Collector(str(fake[0]), 4)  # buffers is keyword-only
+    native.Collector(fake[0]).close()  # os.PathLike works too
+
+
+EXIT_SCRIPT = r"""
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+from tests.fakes.mspti import load_fake_mspti
+import agent._native as native
+lib = load_fake_mspti(sys.argv[2])
+variant = int(sys.argv[3])
+c = native.Collector(sys.argv[2], buffers=4, buffer_bytes=8192, ring_bytes=1 << 20)
+c.set_switch(True, True)
+for _ in range(2):
+    lib.fake_mspti_emit(50_000_000, b"step 9 <&>", b"default", 16, 0)
+lib.fake_mspti_emit(50_000_000, b'{"opName":"x"}', b"communication", 2, 0)
+deadline = time.monotonic() + 0.01 * (1 + variant % 3)
+while time.monotonic() < deadline:
+    c.drain()
+    if variant % 2:
+        c.flush()
+mode = variant % 5
+if mode == 0:
+    c.close(); sys.exit(0)
+elif mode == 1:
+    sys.exit(0)                  # Collector freed (or not) during interpreter finalisation
+elif mode == 2:
+    c.close(); os._exit(0)
+elif mode == 3:
+    os._exit(0)
+else:
+    c.close(); del c; lib.msptiActivityEnable(1); time.sleep(0.01); raise SystemExit(0)
+"""
+
+
+def test_exit_mid_stream_never_crashes(fake):
+    if native is None:
+        pytest.fail(f"agent._native failed to import: {IMPORT_ERROR!r}")
+    procs = []
+    for variant in range(30):
+        procs.append(subprocess.Popen([sys.executable, "-c", EXIT_SCRIPT, str(REPO), str(fake[0]), str(variant)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        if len(procs) % 6 == 0:
+            for p in procs[-6:]:
+                p.wait(timeout=30)
+    for variant, p in enumerate(procs):
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == 0, f"variant {variant}: exit {p.returncode}\n{err.decode(errors='replace')}"
+        assert b"double free" not in err and b"Segmentation" not in err, err
+
+
+def test_extension_source_compiles_without_warnings(tmp_path):
+    import shlex
+    import sysconfig
+
+    cmd = [*shlex.split(os.environ.get("CC") or "cc"), "-fsyntax-only", "-O2", "-Wall", "-Wextra", "-Werror",
+           "-std=gnu11", f"-I{sysconfig.get_paths()['include']}", str(REPO / "native" / "mspti_buffer.c")]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, f"{shlex.join(cmd)}:\n{result.stderr}"

@@ -1,0 +1,457 @@
+"""The ctypes collector and the worker end to end against the fake libmspti (tests/fakes/mspti).
+
+The fake is one shared library per process, loaded once: every test switches it off again (the
+collector's close does) and resets its counters. The module-level API and the atexit hook run in
+child processes, which get their own instance.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.profiling import records
+from agent.worker import jsonlines
+from agent.worker.fallback import Collector
+from agent.worker.runtime import Worker
+from tests.fakes.mspti import load_fake_mspti
+
+REPO = Path(__file__).resolve().parents[2]
+MARKER, KERNEL, API, MEMORY = 1, 2, 3, 5
+STATE_COMM, STATE_SUBSCRIBED = 1 << 32, 1 << 33
+
+
+@pytest.fixture(scope="module")
+def lib_path(fake_mspti_path) -> Path:
+    return fake_mspti_path
+
+
+@pytest.fixture
+def fake(lib_path):
+    """The fake, fresh for each test (the library is shared by the whole run)."""
+    lib = load_fake_mspti(lib_path)
+    lib.fake_mspti_reset()
+    yield lib
+    lib.fake_mspti_wait_idle()
+
+
+@pytest.fixture
+def collectors(fake, lib_path):
+    made = []
+
+    def make(**kwargs) -> Collector:
+        c = Collector(str(lib_path), **kwargs)
+        made.append(c)
+        return c
+
+    fake.fake_mspti_reset()
+    yield make
+    fake.fake_mspti_wait_idle()
+    for c in made:
+        c.close()
+    fake.fake_mspti_reset()
+
+
+def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def read_rank(root: Path, job: str, rank: int) -> tuple[list[str], bytes]:
+    rank_dir = root / job / str(rank)
+    if not rank_dir.is_dir():
+        return [], b""
+    names = sorted(os.listdir(rank_dir))
+    return names, b"".join((rank_dir / n).read_bytes() for n in names)
+
+
+# -- the collector --------------------------------------------------------------------------------
+
+def test_missing_library_and_missing_symbols(tmp_path):
+    with pytest.raises(OSError, match="cannot load"):
+        Collector(str(tmp_path / "libmspti.so"))
+    libc = ctypes.util.find_library("c")
+    with pytest.raises(OSError, match="has no symbol msptiActivityRegisterCallbacks"):
+        Collector(libc)
+
+
+def test_switch_calls_reach_mspti(fake, collectors):
+    c = collectors()
+    assert fake.fake_mspti_state() == 0
+    c.set_switch(True, False)
+    assert fake.fake_mspti_state() == (1 << MARKER) | STATE_SUBSCRIBED
+    c.set_switch(True, True)
+    assert fake.fake_mspti_state() == (1 << MARKER) | STATE_SUBSCRIBED | STATE_COMM
+    fake.msptiActivityEnable(API)
+    fake.msptiActivityEnable(KERNEL)
+    c.set_switch(False, True)  # off: MARKER, KERNEL, API disabled, unsubscribed; comm as asked
+    assert fake.fake_mspti_state() == STATE_COMM
+    c.set_switch(False, False)
+    assert fake.fake_mspti_state() == 0
+    c.set_switch(True, True)
+    c.close()
+    assert fake.fake_mspti_state() == 0
+    c.close()  # idempotent
+    with pytest.raises(ValueError):
+        c.set_switch(True, False)
+
+
+def test_records_drained_exactly_once_byte_exact(fake, collectors):
+    c = collectors(buffers=8, buffer_bytes=4096)
+    c.set_switch(True, False)
+    fake.fake_mspti_set_object_id(1, 48213, 48230)
+    names = [b"step 1", None, b'quote " back \\ <&>', "\u2028é".encode(), b"\xff\xe2\x82 bad", b"tab\there"]
+    for name in names:
+        fake.fake_mspti_emit(1, name, b"default", 16, 0)
+        fake.fake_mspti_wait_idle()
+    first_id = fake.fake_mspti_next_id() - len(names)
+    c.flush()
+    data = c.drain()
+    assert c.drain() == b""
+    expected = b"".join(
+        jsonlines.marker_line(16, 0, 1755771234000000000 + (first_id + i) * 1000, first_id + i, 48213, 48230, name,
+                              b"default")
+        for i, name in enumerate(names))
+    assert data == expected
+    parsed = records.parse(data)
+    assert parsed.errors == [] and len(parsed.markers) == len(names)
+    counters = c.counters()
+    assert counters["records"] == len(names) and counters["bytes"] == len(data)
+    assert counters["records_dropped"] == counters["records_skipped"] == 0
+
+
+def test_many_records_from_several_threads_arrive_once(fake, collectors):
+    c = collectors(buffers=32, buffer_bytes=64 * 1024)
+    c.set_switch(True, False)
+    for t in range(4):
+        fake.fake_mspti_emit(20000, f"step {t}".encode(), b"default", 2, 0)
+    fake.fake_mspti_wait_idle()
+    c.flush()
+    data = c.drain()
+    emitted, dropped = fake.fake_mspti_emitted(), fake.fake_mspti_dropped()
+    assert emitted + dropped == 80000
+    parsed = records.parse(data)
+    assert parsed.errors == []
+    ids = [int(m[records.ID]) for m in parsed.markers]
+    assert len(ids) == len(set(ids)) == emitted
+    counters = c.counters()
+    assert counters["records"] == emitted
+    assert counters["buffers_declined"] == fake.fake_mspti_declined()
+    assert counters["buffers_requested"] == fake.fake_mspti_requests()
+
+
+def test_pool_exhaustion_declines_and_counts(fake, collectors):
+    c = collectors(buffers=2, buffer_bytes=1024)  # 18 records a buffer
+    c.set_switch(True, False)
+    fake.fake_mspti_hold_completions(1)  # mspti keeps the full buffers: the pool runs dry
+    fake.fake_mspti_emit(200, b"step", b"default", 2, 0)
+    fake.fake_mspti_wait_idle()
+    fake.fake_mspti_hold_completions(0)
+    c.flush()
+    data = c.drain()
+    counters = c.counters()
+    assert counters["buffers_declined"] > 0
+    assert counters["buffers_declined"] == fake.fake_mspti_declined()
+    assert counters["records"] == fake.fake_mspti_emitted() == data.count(b"\n")
+    assert fake.fake_mspti_emitted() + fake.fake_mspti_dropped() == 200
+    # the buffers came back: collecting works again
+    fake.fake_mspti_emit(10, b"again", b"default", 2, 0)
+    fake.fake_mspti_wait_idle()
+    c.flush()
+    assert c.drain().count(b"\n") == 10
+
+
+def test_ring_limit_drops_and_counts(fake, collectors):
+    line = len(jsonlines.marker_line(2, 0, 1755771234000001000, 1, 1, 2, b"s", b"default"))
+    c = collectors(buffers=4, buffer_bytes=4096, ring_bytes=line * 10)
+    c.set_switch(True, False)
+    fake.fake_mspti_set_object_id(1, 1, 2)
+    fake.fake_mspti_emit(30, b"s", b"default", 2, 0)
+    fake.fake_mspti_wait_idle()
+    c.flush()
+    data = c.drain()
+    counters = c.counters()
+    assert 0 < data.count(b"\n") <= 10
+    assert counters["records"] == data.count(b"\n")
+    assert counters["records_dropped"] == 30 - counters["records"]
+
+
+def test_api_kernel_and_other_kinds(fake, collectors):
+    c = collectors()
+    fake.fake_mspti_set_object_id(1, 7, 8)
+    for kind in (API, KERNEL, MEMORY):
+        fake.msptiActivityEnable(kind)
+    start = fake.fake_mspti_next_id()
+    fake.fake_mspti_emit_kind(API, 1, b"aclnnAdd", None, 0, 0)
+    fake.fake_mspti_wait_idle()
+    fake.fake_mspti_emit_kind(KERNEL, 1, b"Add<f>", b"AI_CORE", 0, 0)
+    fake.fake_mspti_wait_idle()
+    fake.fake_mspti_emit_kind(MEMORY, 3, b"m", None, 0, 0)
+    fake.fake_mspti_wait_idle()
+    c.flush()
+    data = c.drain()
+    ts = 1755771234000000000
+    assert data == (jsonlines.api_line(ts + start * 1000, ts + start * 1000 + 500, 7, 8, start, b"aclnnAdd")
+                    + jsonlines.kernel_line(ts + (start + 1) * 1000, ts + (start + 1) * 1000 + 500, 7, 8, start + 1,
+                                            b"AI_CORE", b"Add<f>"))
+    fake.msptiActivityDisable(MEMORY)  # the collector only ever switches MARKER, KERNEL and API
+    assert c.counters()["records_skipped"] == 3
+    assert records.parse(data).other_kinds == 2
+
+
+def test_comm_domain_filtered_until_enabled(fake, collectors):
+    c = collectors()
+    c.set_switch(True, False)
+    fake.fake_mspti_emit(5, b'{\\"opName\\": \\"HcclAllReduce\\"}', b"communication", 2, 0)
+    fake.fake_mspti_wait_idle()
+    c.flush()
+    assert c.drain() == b""
+    c.set_switch(True, True)
+    fake.fake_mspti_emit(5, b'{\\"opName\\": \\"HcclAllReduce\\"}', b"communication", 2, 0)
+    fake.fake_mspti_wait_idle()
+    c.flush()
+    parsed = records.parse(c.drain())
+    assert parsed.errors == [] and len(parsed.markers) == 5
+    # The C string is written back exactly (its backslashes escaped). NB: TaskD's snprintf -> Unmarshal ->
+    # Marshal round trip removes one level of torch_npu's pre-escaping instead (taskd.md §1.4).
+    assert records.text(parsed.markers[0][records.NAME]) == b'{\\"opName\\": \\"HcclAllReduce\\"}'
+
+
+def test_close_flushes_and_next_drain_returns_the_rest(fake, collectors):
+    c = collectors()
+    c.set_switch(True, False)
+    fake.fake_mspti_emit(7, b"last", b"default", 2, 0)
+    fake.fake_mspti_wait_idle()
+    c.close()  # no flush before: close does it
+    assert c.drain().count(b"\n") == 7
+    assert c.drain() == b""
+    c.flush()  # a no-op now
+    fake.fake_mspti_emit(3, b"late", b"default", 2, 0)  # switched off: filtered by mspti
+    fake.fake_mspti_wait_idle()
+    assert fake.fake_mspti_filtered() >= 3
+
+
+# -- the worker (in process) ----------------------------------------------------------------------
+
+def write_switch(path: Path, **values) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(values))
+    os.replace(tmp, path)
+
+
+ALL_OFF = dict(CommunicationOperator="off", Step="off", SaveCheckpoint="off", FP="off", DataLoader="off")
+
+
+def test_worker_follows_the_switch_file(fake, collectors, tmp_path):
+    c = collectors()
+    switch = tmp_path / "profilingSwitch"
+    root = tmp_path / "profiling"
+    w = Worker(5, 5000, c, root=str(root), job="job-a", switch_path=str(switch), interval=0.05)
+    assert w.start()
+    try:
+        # no file yet: all off, nothing collected
+        fake.fake_mspti_emit(10, b"step 0", b"default", 2, 0)
+        fake.fake_mspti_wait_idle()
+        assert fake.fake_mspti_filtered() == 10
+
+        write_switch(switch, **{**ALL_OFF, "Step": "on"})
+        wait_for(lambda: fake.fake_mspti_state() & (1 << MARKER), what="marker enabled")
+        assert not fake.fake_mspti_state() & STATE_COMM
+        fake.fake_mspti_emit(100, b"step 1", b"default", 16, 0)
+        fake.fake_mspti_emit(100, b"hccl", b"communication", 16, 0)  # comm off: filtered
+        fake.fake_mspti_wait_idle()
+        wait_for(lambda: read_rank(root, "job-a", 5)[1].count(b"\n") >= 100, what="100 lines on disk")
+
+        write_switch(switch, **{**ALL_OFF, "CommunicationOperator": "on"})
+        wait_for(lambda: fake.fake_mspti_state() & STATE_COMM, what="comm enabled")
+        fake.fake_mspti_emit(50, b"hccl", b"communication", 16, 0)
+        fake.fake_mspti_wait_idle()
+        wait_for(lambda: read_rank(root, "job-a", 5)[1].count(b"\n") >= 150, what="150 lines on disk")
+
+        write_switch(switch, **ALL_OFF)
+        wait_for(lambda: fake.fake_mspti_state() == 0, what="all off")
+        fake.fake_mspti_emit(40, b"step 2", b"default", 16, 0)
+        fake.fake_mspti_wait_idle()
+
+        switch.write_text("{not json")  # invalid: previous state (off) kept
+        time.sleep(0.2)
+        assert fake.fake_mspti_state() == 0
+        assert w.switch_errors > 0
+    finally:
+        w.stop()
+    names, data = read_rank(root, "job-a", 5)
+    assert len(names) == 1 and len(names[0]) == 10 and names[0].isdigit()
+    parsed = records.parse(data)
+    assert parsed.errors == []
+    ids = [int(m[records.ID]) for m in parsed.markers]
+    assert len(ids) == len(set(ids)) == 150  # exactly once, nothing collected while off
+    domains = [m[records.DOMAIN] for m in parsed.markers]
+    assert domains.count(b"default") == 100 and domains.count(b"communication") == 50
+    stats = w.stats()
+    assert stats["records_written"] == 150 and stats["records"] == 150
+    assert stats["switch_default_on"] is False and stats["running"] is False
+    assert fake.fake_mspti_state() == 0
+
+
+def test_worker_stop_writes_what_is_left(fake, collectors, tmp_path):
+    c = collectors()
+    switch = tmp_path / "switch"
+    write_switch(switch, **{**ALL_OFF, "FP": "on"})
+    w = Worker(0, 5000, c, root=str(tmp_path / "p"), job=lambda: "default_task_id_1", switch_path=str(switch),
+               interval=3600)
+    w.tick()  # applies the switch
+    fake.fake_mspti_emit(25, b"step 9", b"default", 2, 0)
+    fake.fake_mspti_wait_idle()
+    w.stop()
+    w.stop()
+    _, data = read_rank(tmp_path / "p", "default_task_id_1", 0)
+    assert data.count(b"\n") == 25
+
+
+def test_worker_limit_and_unwritable_root(fake, collectors, tmp_path):
+    c = collectors(buffer_bytes=64 * 1024)
+    switch = tmp_path / "switch"
+    write_switch(switch, Step="on")
+    (tmp_path / "file").write_text("")
+    w = Worker(1, 5000, c, root=str(tmp_path / "file"), job="j", switch_path=str(switch), interval=3600)
+    w.tick()
+    fake.fake_mspti_emit(10, b"s", b"default", 2, 0)
+    fake.fake_mspti_wait_idle()
+    w.tick()
+    s = w.stats()
+    assert s["write_errors"] == 1 and s["records_dropped_error"] == 10
+    w.stop()
+
+
+# -- the module API in a child process ------------------------------------------------------------
+
+CHILD = textwrap.dedent("""
+    import json, logging, os, sys, time
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    import agent.worker as worker
+    from tests.fakes.mspti import load_fake_mspti
+    args = json.loads(sys.argv[1])
+    ok = worker.init_taskd_worker(*args["init"])
+    result = {"init": ok, "impl": worker.implementation()}
+    if ok:
+        result["start"] = worker.start_taskd_worker()
+        fake = load_fake_mspti(worker.find_library())
+        deadline = time.monotonic() + 10
+        while not fake.fake_mspti_state() & 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if args.get("object_id"):
+            fake.fake_mspti_set_object_id(1, *args["object_id"])
+        for name, domain, count in args["emit"]:
+            fake.fake_mspti_emit(count, bytes.fromhex(name), domain.encode(), 16, 0)
+            fake.fake_mspti_wait_idle()  # one emitter at a time: ids in a fixed order
+        result["emitted"] = fake.fake_mspti_emitted()
+        result["stats"] = worker.stats()
+    print(json.dumps(result))
+    # no stop: the atexit hook must flush, drain and write the rest
+""")
+
+
+def run_child(tmp_path, env_extra, init, emit=(), object_id=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("MINDX_TASK_ID", "LD_LIBRARY_PATH")}
+    env.update(NPU_AGENT_PROFILING_ROOT=str(tmp_path / "profiling"), NPU_AGENT_PROFILING_SWITCH=str(tmp_path / "sw"),
+               NPU_AGENT_WORKER_IMPL="python", PYTHONPATH=str(REPO))
+    emit = [(name.hex() if isinstance(name, bytes) else name.encode().hex(), domain, count) for name, domain, count in emit]
+    env.update(env_extra)
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps({"init": init, "emit": emit, "object_id": object_id})],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def test_module_api_end_to_end_with_atexit(lib_path, tmp_path):
+    write_switch(tmp_path / "sw", **{**ALL_OFF, "Step": "on", "CommunicationOperator": "on"})
+    result, stderr = run_child(tmp_path, {"LD_LIBRARY_PATH": f"/nonexistent:{lib_path.parent}",
+                                          "MINDX_TASK_ID": "job-42"},
+                               [3], [("step 1", "default", 500), ("hccl", "communication", 300)])
+    assert result["init"] is True and result["start"] is True and result["impl"] == "python"
+    assert result["emitted"] == 800
+    names, data = read_rank(tmp_path / "profiling", "job-42", 3)
+    assert len(names) == 1 and len(names[0]) == 10
+    parsed = records.parse(data)
+    assert parsed.errors == []
+    assert len({int(m[records.ID]) for m in parsed.markers}) == len(parsed.markers) == 800
+    rank_dir = tmp_path / "profiling" / "job-42" / "3"
+    assert oct(rank_dir.stat().st_mode & 0o777) == "0o755"
+    assert oct((rank_dir / names[0]).stat().st_mode & 0o777) == "0o644"
+
+
+def test_default_job_dir_when_no_task_id(lib_path, tmp_path):
+    write_switch(tmp_path / "sw", Step="on")
+    before = int(time.time())
+    result, _ = run_child(tmp_path, {"LD_LIBRARY_PATH": str(lib_path.parent)}, [0, 100], [("step 1", "default", 10)])
+    assert result["init"] is True
+    (job,) = os.listdir(tmp_path / "profiling")
+    assert job.startswith("default_task_id_") and before <= int(job.rsplit("_", 1)[1]) <= int(time.time())
+    _, data = read_rank(tmp_path / "profiling", job, 0)
+    assert data.count(b"\n") == 10
+
+
+def test_init_without_library_returns_false(tmp_path):
+    result, stderr = run_child(tmp_path, {"LD_LIBRARY_PATH": str(tmp_path)}, [0])
+    if result["init"]:
+        pytest.skip("a libmspti.so is installed on this machine (ld cache or toolkit path)")
+    assert "libmspti.so not found" in stderr
+    assert len([l for l in stderr.splitlines() if "agent.worker" in l]) == 1
+    assert not (tmp_path / "profiling").exists()
+
+
+@pytest.mark.parametrize("init", [[-1], ["3"], [1.5], [True], [None], [0, -5]])
+def test_init_rejects_bad_arguments(lib_path, tmp_path, init):
+    result, stderr = run_child(tmp_path, {"LD_LIBRARY_PATH": str(lib_path.parent)}, init)
+    assert result["init"] is False
+    assert "init_taskd_worker" in stderr
+
+
+def test_init_with_a_library_lacking_symbols(tmp_path):
+    libc = ctypes.util.find_library("c")
+    d = tmp_path / "lib"
+    d.mkdir()
+    # a libmspti.so that is really libc: loads, but has none of the symbols
+    real = subprocess.run(["sh", "-c", f"ldconfig -p | grep -m1 '{libc} ' | sed 's/.*=> //'"],
+                          capture_output=True, text=True).stdout.strip()
+    if not real:
+        pytest.skip("libc not found through the ld cache")
+    (d / "libmspti.so").symlink_to(real)
+    result, stderr = run_child(tmp_path, {"LD_LIBRARY_PATH": str(d)}, [0])
+    assert result["init"] is False
+    assert "has no symbol" in stderr
+
+
+def test_native_and_python_collectors_write_the_same_bytes(lib_path, tmp_path):
+    try:
+        import agent._native  # noqa: F401
+    except ImportError:
+        pytest.skip("the native extension is not built")
+    names = [b"step 1", b'quote " back \\ <&>', "\u2028\u00e9\u65e5".encode(), b"\xff\xe2\x82 \xed\xa0\x80 bad",
+             b"ctl \x01\x1f\t\n\r\b\f\x7f", b"\xf0\x9f\x98\x80 \xf4\x90\x80\x80", b""]
+    emit = [(name, "default", 3) for name in names] + [(b"hccl", "communication", 2)]
+    outputs = {}
+    for impl in ("python", "native"):
+        base = tmp_path / impl
+        base.mkdir()
+        write_switch(base / "sw", Step="on", CommunicationOperator="on")
+        result, stderr = run_child(base, {"LD_LIBRARY_PATH": str(lib_path.parent), "MINDX_TASK_ID": "j",
+                                          "NPU_AGENT_WORKER_IMPL": impl}, [0], emit, object_id=[11, 22])
+        assert result["init"] is True and result["impl"] == impl, stderr
+        outputs[impl] = read_rank(base / "profiling", "j", 0)[1]
+    assert outputs["python"].count(b"\n") == 3 * len(names) + 2
+    assert outputs["python"] == outputs["native"]

@@ -1,0 +1,240 @@
+"""agent.worker.writer.RankWriter on real temporary directories."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import pytest
+
+from agent.worker import writer as writer_mod
+from agent.worker.writer import FILE_LIMIT, RankWriter
+
+
+class Clock:
+    def __init__(self, now: float = 1_755_771_234.5) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def lines(n: int, size: int = 100) -> bytes:
+    line = b"x" * (size - 1) + b"\n"
+    return line * n
+
+
+def files(rank_dir) -> list[str]:
+    return sorted(os.listdir(rank_dir))
+
+
+def test_first_write_creates_dirs_and_a_10_digit_file(tmp_path):
+    clock = Clock()
+    w = RankWriter(str(tmp_path / "root"), "job-1", 3, 5000, clock=clock)
+    assert w.write(b"a\nb\n") == 4
+    rank_dir = tmp_path / "root" / "job-1" / "3"
+    assert files(rank_dir) == ["1755771234"]
+    assert (rank_dir / "1755771234").read_bytes() == b"a\nb\n"
+    assert w.stats()["records_written"] == 2 and w.stats()["bytes_written"] == 4
+    assert w.stats()["files_created"] == 1
+
+
+def test_modes(tmp_path):
+    old = os.umask(0o077)
+    try:
+        w = RankWriter(str(tmp_path / "root"), "job", 0, 5000, clock=Clock())
+        w.write(b"a\n")
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "root" / "job", tmp_path / "root" / "job" / "0"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o755, path
+    assert stat.S_IMODE((tmp_path / "root" / "job" / "0" / "1755771234").stat().st_mode) == 0o644
+
+
+def test_appends_to_the_newest_10_digit_file(tmp_path):
+    rank_dir = tmp_path / "job" / "1"
+    rank_dir.mkdir(parents=True)
+    (rank_dir / "1700000000").write_bytes(b"old\n")
+    (rank_dir / "1700000500").write_bytes(b"newer\n")
+    (rank_dir / "99999999999").write_bytes(b"")  # 11 digits: not a record file
+    (rank_dir / "parallel_group.json").write_bytes(b"{}")
+    (rank_dir / "1800000000").mkdir()  # a directory is skipped
+    w = RankWriter(str(tmp_path), "job", 1, 5000, clock=Clock())
+    w.write(b"more\n")
+    assert (rank_dir / "1700000500").read_bytes() == b"newer\nmore\n"
+    assert (rank_dir / "1700000000").read_bytes() == b"old\n"
+    assert w.stats()["files_created"] == 0
+
+
+def test_rotation_only_when_strictly_greater_than_10_mib(tmp_path):
+    rank_dir = tmp_path / "job" / "0"
+    rank_dir.mkdir(parents=True)
+    first = rank_dir / "1700000000"
+    first.write_bytes(b"x" * (FILE_LIMIT - 1) + b"\n")  # exactly 10 MiB: not greater
+    clock = Clock(1_755_771_300)
+    w = RankWriter(str(tmp_path), "job", 0, 5000, clock=clock)
+    w.write(b"a\n")  # checked before the write: 10 MiB is not > 10 MiB, so this file overshoots
+    assert files(rank_dir) == ["1700000000"]
+    assert first.stat().st_size == FILE_LIMIT + 2
+    w.write(b"b\n")  # now > 10 MiB: a new file named after now
+    assert files(rank_dir) == ["1700000000", "1755771300"]
+    assert (rank_dir / "1755771300").read_bytes() == b"b\n"
+    w.write(b"c\n")
+    assert (rank_dir / "1755771300").read_bytes() == b"b\nc\n"
+
+
+def test_rotation_by_own_writes_and_same_second_reuse(tmp_path):
+    clock = Clock(1_755_771_000)
+    w = RankWriter(str(tmp_path), "job", 0, 5000, clock=clock)
+    chunk = lines(1024 * 11, 1024)  # 11 MiB in one write: one file overshoots
+    w.write(chunk)
+    rank_dir = tmp_path / "job" / "0"
+    assert files(rank_dir) == ["1755771000"]
+    w.write(b"z\n")  # same second: the "new" file has the same name, so it appends (TaskD does too)
+    assert files(rank_dir) == ["1755771000"]
+    clock.now += 1
+    w.write(b"y\n")
+    assert files(rank_dir) == ["1755771000", "1755771001"]
+    assert (rank_dir / "1755771001").read_bytes() == b"y\n"
+
+
+def test_symlinked_rank_dir_is_refused(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "root" / "job").mkdir(parents=True)
+    (tmp_path / "root" / "job" / "2").symlink_to(elsewhere)
+    w = RankWriter(str(tmp_path / "root"), "job", 2, 5000, clock=Clock())
+    assert w.write(b"a\nb\n") == 0
+    assert os.listdir(elsewhere) == []
+    s = w.stats()
+    assert s["write_errors"] == 1 and s["records_dropped_error"] == 2 and s["bytes_dropped_error"] == 4
+    assert "symlink" in s["last_error"]
+
+
+def test_symlinked_newest_file_is_not_followed(tmp_path):
+    rank_dir = tmp_path / "job" / "0"
+    rank_dir.mkdir(parents=True)
+    target = tmp_path / "target"
+    target.write_bytes(b"")
+    (rank_dir / "1755771234").symlink_to(target)  # the name the writer would create now
+    w = RankWriter(str(tmp_path), "job", 0, 5000, clock=Clock())
+    assert w.write(b"a\n") == 0
+    assert target.read_bytes() == b""
+    assert w.stats()["write_errors"] == 1
+
+
+def test_rank_path_longer_than_1024_is_refused(tmp_path):
+    w = RankWriter(str(tmp_path), "j" * 1100, 0, 5000, clock=Clock())
+    assert w.write(b"a\n") == 0
+    assert w.stats()["write_errors"] == 1
+    assert os.listdir(tmp_path) == []
+
+
+def test_limit_writes_whole_lines_that_fit_then_drops_and_counts(tmp_path):
+    w = RankWriter(str(tmp_path), "job", 0, 1, clock=Clock())  # 1 MiB
+    limit = 1024 * 1024
+    assert w.write(lines(10000, 100)) == 10000 * 100  # 1,000,000 bytes
+    assert w.write(lines(1000, 100)) == (limit - 1_000_000) // 100 * 100  # 485 lines fit
+    s = w.stats()
+    assert s["bytes_written"] == 1_048_500 <= limit
+    assert s["records_dropped_limit"] == 1000 - 485
+    assert s["bytes_dropped_limit"] == (1000 - 485) * 100
+    assert w.write(b"a\n") == 2  # 76 bytes of room left: a line that fits is still written
+    assert w.write(lines(1, 200)) == 0  # one that does not is dropped
+    assert w.stats()["records_dropped_limit"] == 1000 - 485 + 1
+    assert w.stats()["bytes_written"] == 1_048_502
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "job" / "0").iterdir())
+    assert on_disk == w.stats()["bytes_written"] <= limit
+
+
+def test_limit_zero_never_writes(tmp_path):
+    w = RankWriter(str(tmp_path), "job", 0, 0, clock=Clock())
+    assert w.write(b"a\nb\n") == 0
+    assert w.stats()["records_dropped_limit"] == 2
+    assert not (tmp_path / "job").exists()
+
+
+def test_limit_counts_only_this_processes_bytes(tmp_path):
+    rank_dir = tmp_path / "job" / "0"
+    rank_dir.mkdir(parents=True)
+    (rank_dir / "1700000000").write_bytes(b"x" * (2 * 1024 * 1024))  # someone else's 2 MiB
+    w = RankWriter(str(tmp_path), "job", 0, 1, clock=Clock())
+    assert w.write(b"a\n") == 2
+
+
+def test_unwritable_root_is_counted_not_raised(tmp_path, caplog):
+    root = tmp_path / "ro"
+    root.mkdir()
+    os.chmod(root, 0o555)
+    try:
+        if os.access(root, os.W_OK):
+            pytest.skip("running as root: permissions are not enforced")
+        w = RankWriter(str(root), "job", 0, 5000, clock=Clock())
+        with caplog.at_level("WARNING", logger="agent.worker"):
+            assert w.write(b"a\nb\n") == 0
+            assert w.write(b"c\n") == 0
+        s = w.stats()
+        assert s["write_errors"] == 2 and s["records_dropped_error"] == 3 and s["bytes_dropped_error"] == 6
+        assert len([r for r in caplog.records if r.name == "agent.worker"]) == 1  # at most once a minute
+    finally:
+        os.chmod(root, 0o755)
+
+
+def test_root_that_is_a_file_is_counted_not_raised(tmp_path):
+    (tmp_path / "file").write_bytes(b"")
+    w = RankWriter(str(tmp_path / "file"), "job", 0, 5000, clock=Clock())
+    assert w.write(b"a\n") == 0
+    assert w.stats()["write_errors"] == 1
+
+
+def test_unwritable_procfs_root_is_counted_not_raised():
+    w = RankWriter("/proc/self/npu-agent-profiling", "job", 0, 5000, clock=Clock())
+    assert w.write(b"a\n") == 0
+    assert w.stats()["write_errors"] == 1 and w.stats()["records_dropped_error"] == 1
+
+
+def test_read_only_file_system_error_during_write(tmp_path, monkeypatch):
+    w = RankWriter(str(tmp_path), "job", 0, 5000, clock=Clock())
+
+    def erofs(fd, data):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(writer_mod.os, "write", erofs)
+    assert w.write(b"a\nb\n") == 0
+    monkeypatch.undo()
+    s = w.stats()
+    assert s["write_errors"] == 1 and s["records_dropped_error"] == 2 and "Read-only" in s["last_error"]
+    assert w.write(b"c\n") == 2  # the next round works again; the failed batch is gone
+    assert (tmp_path / "job" / "0" / "1755771234").read_bytes() == b"c\n"
+
+
+def test_write_error_log_is_rate_limited(tmp_path, monkeypatch, caplog):
+    mono = [1000.0]
+    w = RankWriter(str(tmp_path), "job", 0, 5000, clock=Clock(), monotonic=lambda: mono[0])
+
+    def enospc(data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(w, "_append", enospc)
+    with caplog.at_level("WARNING", logger="agent.worker"):
+        for _ in range(5):
+            w.write(b"a\n")
+        mono[0] += 59
+        w.write(b"a\n")
+        mono[0] += 1
+        w.write(b"a\n")
+    assert len(caplog.records) == 2
+    assert w.stats()["write_errors"] == 7 and w.stats()["records_dropped_error"] == 7
+    assert "No space left" in w.stats()["last_error"]
+
+
+def test_empty_write_is_a_no_op(tmp_path):
+    w = RankWriter(str(tmp_path), "job", 0, 5000, clock=Clock())
+    assert w.write(b"") == 0
+    assert not (tmp_path / "job").exists()
+
+
+def test_file_names_are_ten_digits(tmp_path):
+    assert writer_mod._NAME.match("1755771234")
+    assert not writer_mod._NAME.match("175577123")
