@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.mspti import load_fake_mspti
+from tests.integration.harness import wait_until
 
 try:
     import agent._native as native
@@ -346,7 +347,7 @@ def test_close_while_streaming_then_reopen(open_collector, lib):
     c = open_collector(buffers=4, buffer_bytes=2048)
     c.set_switch(True, False)
     lib.fake_mspti_emit(300000, b"step 4", b"default", 2, 0)
-    time.sleep(0.02)
+    wait_until(lambda: c.counters()["records"] > 0, 10, "the stream to be flowing")  # close mid-stream
     c.close()
     # Re-enable MARKER behind the closed collector's back: late requests are declined, nothing crashes.
     assert lib.msptiActivityEnable(MARKER) == 0

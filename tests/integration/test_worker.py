@@ -24,6 +24,7 @@ from agent.worker import jsonlines
 from agent.worker.fallback import Collector
 from agent.worker.runtime import Worker
 from tests.fakes.mspti import load_fake_mspti
+from tests.integration.harness import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 MARKER, KERNEL, API, MEMORY = 1, 2, 3, 5
@@ -59,16 +60,6 @@ def collectors(fake, lib_path):
     for c in made:
         c.close()
     fake.fake_mspti_reset()
-
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def read_rank(root: Path, job: str, rank: int) -> tuple[list[str], bytes]:
@@ -269,28 +260,27 @@ def test_worker_follows_the_switch_file(fake, collectors, tmp_path):
         assert fake.fake_mspti_filtered() == 10
 
         write_switch(switch, **{**ALL_OFF, "Step": "on"})
-        wait_for(lambda: fake.fake_mspti_state() & (1 << MARKER), what="marker enabled")
+        wait_until(lambda: fake.fake_mspti_state() & (1 << MARKER), 10, "marker enabled")
         assert not fake.fake_mspti_state() & STATE_COMM
         fake.fake_mspti_emit(100, b"step 1", b"default", 16, 0)
         fake.fake_mspti_emit(100, b"hccl", b"communication", 16, 0)  # comm off: filtered
         fake.fake_mspti_wait_idle()
-        wait_for(lambda: read_rank(root, "job-a", 5)[1].count(b"\n") >= 100, what="100 lines on disk")
+        wait_until(lambda: read_rank(root, "job-a", 5)[1].count(b"\n") >= 100, 10, "100 lines on disk")
 
         write_switch(switch, **{**ALL_OFF, "CommunicationOperator": "on"})
-        wait_for(lambda: fake.fake_mspti_state() & STATE_COMM, what="comm enabled")
+        wait_until(lambda: fake.fake_mspti_state() & STATE_COMM, 10, "comm enabled")
         fake.fake_mspti_emit(50, b"hccl", b"communication", 16, 0)
         fake.fake_mspti_wait_idle()
-        wait_for(lambda: read_rank(root, "job-a", 5)[1].count(b"\n") >= 150, what="150 lines on disk")
+        wait_until(lambda: read_rank(root, "job-a", 5)[1].count(b"\n") >= 150, 10, "150 lines on disk")
 
         write_switch(switch, **ALL_OFF)
-        wait_for(lambda: fake.fake_mspti_state() == 0, what="all off")
+        wait_until(lambda: fake.fake_mspti_state() == 0, 10, "all off")
         fake.fake_mspti_emit(40, b"step 2", b"default", 16, 0)
         fake.fake_mspti_wait_idle()
 
         switch.write_text("{not json")  # invalid: previous state (off) kept
-        time.sleep(0.2)
+        wait_until(lambda: w.switch_errors > 0, 10, "the invalid switch to be read")
         assert fake.fake_mspti_state() == 0
-        assert w.switch_errors > 0
     finally:
         w.stop()
     names, data = read_rank(root, "job-a", 5)

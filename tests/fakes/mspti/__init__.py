@@ -3,43 +3,20 @@
 from __future__ import annotations
 
 import ctypes
-import os
-import shlex
-import subprocess
-import tempfile
 from pathlib import Path
 
+from tests.fakes.cc import FLAGS, build_shared_library
+
 _HERE = Path(__file__).resolve().parent
-_SOURCES = (_HERE / "fake_mspti.c", _HERE / "mspti_abi.h", Path(__file__).resolve())
-_FLAGS = ["-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", "-pthread"]
+_DEPENDS = (_HERE / "mspti_abi.h", Path(__file__).resolve())
 
 __all__ = ["build_fake_mspti", "load_fake_mspti"]
 
 
 def build_fake_mspti(out_dir: Path) -> Path:
     """Build ``<out_dir>/libmspti.so`` unless it is already up to date; return its path."""
-    out = Path(out_dir) / "libmspti.so"
-    newest_source = max(p.stat().st_mtime_ns for p in _SOURCES)
-    if out.exists() and out.stat().st_mtime_ns > newest_source:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".libmspti-", suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [*shlex.split(os.environ.get("CC") or "cc"), *_FLAGS, "-o", tmp, str(_HERE / "fake_mspti.c")]
-    try:
-        try:
-            result = subprocess.run(cmd, capture_output=True, text=True)
-        except OSError as exc:
-            raise RuntimeError(f"cannot run the C compiler {cmd[0]!r}: {exc}") from exc
-        if result.returncode != 0:
-            raise RuntimeError(
-                f"building fake libmspti.so failed ({shlex.join(cmd)}), exit {result.returncode}:\n{result.stderr}"
-            )
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    return build_shared_library(_HERE / "fake_mspti.c", Path(out_dir) / "libmspti.so", _DEPENDS,
+                                [*FLAGS, "-Wextra"])
 
 
 def load_fake_mspti(path: Path) -> ctypes.CDLL:
