@@ -101,6 +101,9 @@ class TaskdProxyConfig:
     enabled: bool = False
     listen: str = "127.0.0.1:9602"
     manager_port: int = 9601
+    dial_timeout_seconds: float = 5.0  # per attempt to reach a job's manager; retried with backoff
+    hold_seconds: float = 60.0  # how long a message waits for an unreachable manager
+    queue_limit: int = 1024  # messages held per job while its manager is unreachable
 
 
 @dataclass
@@ -264,7 +267,13 @@ def validate(config: Config) -> list[str]:
         check(bool(re.fullmatch(r"\d{9}", code)), f"clusterd.public_codes.{level}",
               f"{code!r} is not a 9-digit public fault code")
     check(0 < config.profiling.disk_limit_mb, "profiling.disk_limit_mb", "must be positive")
-    check(1 <= config.taskd_proxy.manager_port <= 65535, "taskd_proxy.manager_port", "is not a port number")
+    proxy = config.taskd_proxy
+    check(1 <= proxy.manager_port <= 65535, "taskd_proxy.manager_port", "is not a port number")
+    check(0.1 <= proxy.dial_timeout_seconds <= 60, "taskd_proxy.dial_timeout_seconds",
+          f"{proxy.dial_timeout_seconds} is out of range 0.1..60")
+    check(0 <= proxy.hold_seconds <= 3600, "taskd_proxy.hold_seconds", f"{proxy.hold_seconds} is out of range 0..3600")
+    check(1 <= proxy.queue_limit <= 1_000_000, "taskd_proxy.queue_limit",
+          f"{proxy.queue_limit} is out of range 1..1000000")
     check(not config.datatrace.enabled or config.kubernetes.enabled, "datatrace.enabled",
           "needs kubernetes.enabled")
     check(1 <= config.kubernetes.watch_timeout_seconds <= 3600, "kubernetes.watch_timeout_seconds",

@@ -30,6 +30,8 @@ from agent.profiling.jobs import JobDirectory
 from agent.profiling.metrics import DatatraceCollector, DiskGuardCollector, StepCollector
 from agent.profiling.step_metrics import StepMetrics
 from agent.profiling.tail import ProfilingTailer
+from agent.taskd.metrics import TaskdProxyCollector
+from agent.taskd.proxy import TaskdProxy
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +146,16 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
                                   config.kubernetes.watch_timeout_seconds)
         collectors.append(DatatraceCollector(config.node_name, datatrace))
         profiling.append(datatrace)
+    servers = [grpc_server]
+    if config.taskd_proxy.enabled:
+        proxy_config = config.taskd_proxy
+        proxy = TaskdProxy(proxy_config.listen, proxy_config.manager_port,
+                           dial_timeout_s=proxy_config.dial_timeout_seconds, hold_s=proxy_config.hold_seconds,
+                           queue_limit=proxy_config.queue_limit)
+        collectors.append(TaskdProxyCollector(config.node_name, proxy))
+        servers.append(proxy)
     http = HttpEndpoint(config.http.listen, make_registry(*collectors), supervisor.readiness)
     # Servers first, so /readyz and the stream answer while the driver is still being opened;
     # sinks before the sources that feed them.
-    supervisor.components = [http, grpc_server, *sinks, faults, monitor, *profiling]
+    supervisor.components = [http, *servers, *sinks, faults, monitor, *profiling]
     return Agent(config, supervisor, hub, fault_log, faults, monitor, http, grpc_server, sinks, profiling)
