@@ -4,9 +4,15 @@
  *  - request hands out a buffer from a preallocated pool (a tiny mutex, never waits for a buffer;
  *    an empty pool declines the request with *buffer = NULL and counts it);
  *  - complete walks the records with msptiActivityGetNextRecord and serialises each one straight
- *    into a byte ring as one JSON line in TaskD's on-disk format (Go encoding/json output, byte for
- *    byte), then gives the buffer back to the pool.  A line that does not fit is dropped and counted.
- * Python drains whole lines from the ring.
+ *    into the free space of a byte ring as one JSON line in TaskD's on-disk format (Go encoding/json
+ *    output, byte for byte), then gives the buffer back to the pool.  A line that does not fit in
+ *    the free space is dropped and counted.  Nothing is allocated and no lock but the producers'
+ *    own is taken per record; the time spent in each call is counted.
+ * The ring is single-consumer: `head` (bytes and lines ever committed, whole lines only) and `tail`
+ * (bytes and lines ever consumed) are atomics, so producers and the consumer never wait for each
+ * other, and the consumer knows how many lines it takes without counting them.  Python
+ * drains whole lines into bytes (drain) or writes them from the ring to a file descriptor without
+ * the GIL (drain_to).
  *
  * All state the callbacks touch is process-global (MSPTI has one set of callbacks per process), so
  * callbacks that arrive after close(), or after the Python object is gone at interpreter exit, find
@@ -16,14 +22,18 @@
 #include <Python.h>
 
 #include <dlfcn.h>
+#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "mspti_abi.h"
+
+#define LIKELY(x) __builtin_expect(!!(x), 1)
 
 typedef msptiResult (*fn_enable_t)(msptiActivityKind);
 typedef msptiResult (*fn_get_next_t)(uint8_t *, size_t, msptiActivity **);
@@ -53,11 +63,13 @@ enum {
     C_BUFFERS_COMPLETED,
     C_RECORDS_DROPPED,
     C_RECORDS_SKIPPED,
+    C_COMPLETE_NS,     /* time spent in the completion callback, summed over completed buffers */
+    C_COMPLETE_MAX_NS, /* the longest single completion callback */
     C_COUNT
 };
 static const char *const counter_names[C_COUNT] = {
-    "records", "bytes", "buffers_requested", "buffers_declined",
-    "buffers_completed", "records_dropped", "records_skipped",
+    "records", "bytes", "buffers_requested", "buffers_declined", "buffers_completed",
+    "records_dropped", "records_skipped", "complete_ns", "complete_max_ns",
 };
 
 /* ------------------------------------------------------------------ global collector state */
@@ -74,80 +86,183 @@ static struct {
     uint32_t *free_stack;
     size_t nfree;
 
-    pthread_mutex_t ring_mu;
     uint8_t *ring;
-    size_t cap, tail, used;
+    size_t cap;
+    pthread_mutex_t prod_mu; /* producers (completion callbacks) one at a time */
+    size_t head_pos;         /* head bytes % cap; producers only */
+    size_t tail_pos;         /* tail bytes % cap; the consumer only */
+    _Atomic uint64_t head;   /* bytes and lines ever committed (packed: see mark()); whole lines only */
+    _Atomic uint64_t tail;   /* bytes and lines ever consumed */
 
     _Atomic uint64_t counters[C_COUNT];
 } G = {
     .closed = 1,
     .pool_mu = PTHREAD_MUTEX_INITIALIZER,
-    .ring_mu = PTHREAD_MUTEX_INITIALIZER,
+    .prod_mu = PTHREAD_MUTEX_INITIALIZER,
 };
 
+/* head and tail each pack a byte count (low 40 bits) and a line count (high 24 bits), both modulo
+ * their width: one atomic word, so the consumer always sees the bytes and the lines of the same
+ * lines.  The differences are exact while the ring holds less than 2^40 bytes and 2^24 lines:
+ * ring_bytes is at most 1 GiB and a line is longer than 64 bytes. */
+#define MARK_BYTES_BITS 40
+#define MARK_BYTES_MASK ((UINT64_C(1) << MARK_BYTES_BITS) - 1)
+#define MARK_LINES_MASK ((UINT64_C(1) << (64 - MARK_BYTES_BITS)) - 1)
+#define MAX_RING_BYTES ((Py_ssize_t)1 << 30)
+
+static inline uint64_t mark(uint64_t bytes, uint64_t lines) {
+    return lines << MARK_BYTES_BITS | (bytes & MARK_BYTES_MASK);
+}
+static inline uint64_t mark_bytes(uint64_t m) { return m & MARK_BYTES_MASK; }
+static inline uint64_t mark_lines(uint64_t m) { return m >> MARK_BYTES_BITS; }
+
 static inline void count(int which, uint64_t n) {
-    atomic_fetch_add_explicit(&G.counters[which], n, memory_order_relaxed);
+    if (n != 0) atomic_fetch_add_explicit(&G.counters[which], n, memory_order_relaxed);
 }
 
-/* ------------------------------------------------------------------ serialisation (Go json.Marshal) */
+static void count_max(int which, uint64_t v) {
+    uint64_t cur = atomic_load_explicit(&G.counters[which], memory_order_relaxed);
+    while (v > cur && !atomic_compare_exchange_weak_explicit(&G.counters[which], &cur, v, memory_order_relaxed,
+                                                             memory_order_relaxed)) {
+    }
+}
 
-/* Writes into the ring at pos (wrapping), or only measures when ring == NULL. */
+/* ------------------------------------------------------------------ the line writer */
+
+/* Writes one line into the ring's free space, which starts at the head and may continue at the
+ * ring's start.  When the line outgrows the free space, `full` is set and the rest is ignored: the
+ * head is not moved, so nothing of it is ever seen. */
 typedef struct {
-    uint8_t *ring;
-    size_t cap, pos, len;
+    uint8_t *p, *end; /* where the next byte goes; the end of the free space there */
+    uint8_t *base;    /* where the current stretch of free space starts */
+    uint8_t *wrap;    /* the ring's start when the free space continues there, else NULL */
+    size_t wrap_room; /* free bytes at the ring's start */
+    size_t before;    /* bytes written before the wrap */
+    int full;
 } writer;
 
-static inline void put(writer *w, const void *src, size_t n) {
-    if (w->ring != NULL) {
-        size_t first = w->cap - w->pos;
-        if (n <= first) {
-            memcpy(w->ring + w->pos, src, n);
-            w->pos += n;
-            if (w->pos == w->cap) w->pos = 0;
-        } else {
-            memcpy(w->ring + w->pos, src, first);
-            memcpy(w->ring, (const uint8_t *)src + first, n - first);
-            w->pos = n - first;
-        }
+static void put_wrap(writer *w, const void *src, size_t n) {
+    size_t room = (size_t)(w->end - w->p);
+    if (w->full || w->wrap == NULL || n - room > w->wrap_room) {
+        w->full = 1;
+        w->p = w->end;
+        return;
     }
-    w->len += n;
+    memcpy(w->p, src, room);
+    w->before = (size_t)(w->end - w->base);
+    w->base = w->wrap;
+    w->p = w->wrap + (n - room);
+    w->end = w->wrap + w->wrap_room;
+    w->wrap = NULL;
+    memcpy(w->base, (const uint8_t *)src + room, n - room);
+}
+
+static inline void put(writer *w, const void *src, size_t n) {
+    if (LIKELY((size_t)(w->end - w->p) >= n)) {
+        memcpy(w->p, src, n);
+        w->p += n;
+    } else {
+        put_wrap(w, src, n);
+    }
 }
 
 #define PUT_LIT(w, s) put((w), (s), sizeof(s) - 1)
 
-static void put_u64(writer *w, uint64_t v) {
-    char buf[24];
-    char *p = buf + sizeof buf;
-    do {
-        *--p = (char)('0' + v % 10);
-        v /= 10;
-    } while (v != 0);
-    put(w, p, (size_t)(buf + sizeof buf - p));
-}
-
-static void put_i32(writer *w, int32_t v) {
-    if (v < 0) {
-        PUT_LIT(w, "-");
-        put_u64(w, (uint64_t)(-(int64_t)v));
+/* n <= slot bytes from a buffer of `slot` bytes: with room for the whole slot, a fixed-size copy
+ * (a few vector moves) is faster than an exact one; the bytes past n are overwritten later or
+ * lie beyond the line. */
+static inline void put_slot(writer *w, const void *src, size_t n, const size_t slot) {
+    if (LIKELY((size_t)(w->end - w->p) >= slot)) {
+        memcpy(w->p, src, slot);
+        w->p += n;
     } else {
-        put_u64(w, (uint64_t)v);
+        put(w, src, n);
     }
 }
 
+static const char DIGIT_PAIRS[] = "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
+                                  "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
+                                  "8081828384858687888990919293949596979899";
+
+static inline void put_pair(uint8_t *p, uint32_t v) { memcpy(p, DIGIT_PAIRS + 2 * v, 2); }
+
+/* Exactly 8 digits of v < 10^8 (two independent halves: the divisions overlap). */
+static inline uint8_t *fmt_8(uint8_t *p, uint32_t v) {
+    uint32_t hi = v / 10000, lo = v % 10000;
+    put_pair(p, hi / 100);
+    put_pair(p + 2, hi % 100);
+    put_pair(p + 4, lo / 100);
+    put_pair(p + 6, lo % 100);
+    return p + 8;
+}
+
+/* The digits of v < 10^8, no leading zeros. */
+static inline uint8_t *fmt_small(uint8_t *p, uint32_t v) {
+    size_t n = v < 10 ? 1 : v < 100 ? 2 : v < 1000 ? 3 : v < 10000 ? 4 : v < 100000 ? 5 : v < 1000000 ? 6
+             : v < 10000000 ? 7 : 8;
+    uint8_t *end = p + n, *q = end;
+    while (v >= 100) {
+        q -= 2;
+        put_pair(q, v % 100);
+        v /= 100;
+    }
+    if (v >= 10)
+        put_pair(q - 2, v);
+    else
+        q[-1] = (uint8_t)('0' + v);
+    return end;
+}
+
+/* Decimal digits of v at p (at most 20); returns the end.  In 8-digit chunks: timestamps have 19. */
+static inline uint8_t *fmt_u64(uint8_t *p, uint64_t v) {
+    if (v < 100000000u) return fmt_small(p, (uint32_t)v);
+    uint64_t hi = v / 100000000u;
+    uint32_t lo = (uint32_t)(v % 100000000u);
+    if (hi < 100000000u) {
+        p = fmt_small(p, (uint32_t)hi);
+    } else {
+        p = fmt_small(p, (uint32_t)(hi / 100000000u));
+        p = fmt_8(p, (uint32_t)(hi % 100000000u));
+    }
+    return fmt_8(p, lo);
+}
+
+static inline void put_u64(writer *w, uint64_t v) {
+    if (LIKELY(w->end - w->p >= 20)) {
+        w->p = fmt_u64(w->p, v);
+    } else {
+        uint8_t buf[20];
+        put(w, buf, (size_t)(fmt_u64(buf, v) - buf));
+    }
+}
+
+static inline void put_i32(writer *w, int32_t v) {
+    if (v < 0) PUT_LIT(w, "-");
+    put_u64(w, v < 0 ? (uint64_t)(-(int64_t)v) : (uint64_t)v);
+}
+
+/* ------------------------------------------------------------------ strings (Go encoding/json) */
+
+/* 0: a byte Go's encoder copies as it is; 1: an ASCII byte it rewrites (controls, '"', '\\', and
+ * the HTML characters '<' '>' '&'); 2: a byte >= 0x80, to check as UTF-8. */
+static const uint8_t BYTE_CLASS[256] = {
+    [0x00 ... 0x1f] = 1, ['"'] = 1, ['\\'] = 1, ['<'] = 1, ['>'] = 1, ['&'] = 1, [0x80 ... 0xff] = 2,
+};
+
 /* Length of the valid UTF-8 sequence at s (2..4), or 0 if invalid: the rules of Go's utf8.DecodeRune
- * (no overlongs, no surrogates, nothing above U+10FFFF). */
-static size_t utf8_seq(const unsigned char *s) {
-    unsigned char c = s[0];
+ * (no overlongs, no surrogates, nothing above U+10FFFF).  Never reads past a NUL. */
+static size_t utf8_seq(const uint8_t *s) {
+    uint8_t c = s[0];
     if (c >= 0xC2 && c <= 0xDF) return (s[1] & 0xC0) == 0x80 ? 2 : 0;
     if (c >= 0xE0 && c <= 0xEF) {
-        unsigned char lo = 0x80, hi = 0xBF;
+        uint8_t lo = 0x80, hi = 0xBF;
         if (c == 0xE0) lo = 0xA0;
         if (c == 0xED) hi = 0x9F;
         if (s[1] < lo || s[1] > hi) return 0;
         return (s[2] & 0xC0) == 0x80 ? 3 : 0;
     }
     if (c >= 0xF0 && c <= 0xF4) {
-        unsigned char lo = 0x80, hi = 0xBF;
+        uint8_t lo = 0x80, hi = 0xBF;
         if (c == 0xF0) lo = 0x90;
         if (c == 0xF4) hi = 0x8F;
         if (s[1] < lo || s[1] > hi) return 0;
@@ -157,174 +272,311 @@ static size_t utf8_seq(const unsigned char *s) {
     return 0;
 }
 
-/* A JSON string as Go's encoding/json writes it with HTML escaping; NULL prints as "NULL". */
-static void put_str(writer *w, const char *str) {
+/* U+2028 / U+2029, which Go escapes although they are valid. */
+static inline int is_line_separator(const uint8_t *s) {
+    return s[0] == 0xE2 && s[1] == 0x80 && (s[2] == 0xA8 || s[2] == 0xA9);
+}
+
+/* Go's encoding of an ASCII character of class 1. */
+static void put_ascii_escape(writer *w, uint8_t c) {
     static const char hex[] = "0123456789abcdef";
-    if (str == NULL) str = "NULL";
-    const unsigned char *s = (const unsigned char *)str;
-    PUT_LIT(w, "\"");
-    const unsigned char *run = s; /* start of bytes copied as they are */
-    while (*s != 0) {
-        unsigned char c = *s;
-        if (c < 0x80) {
-            if (c >= 0x20 && c != '"' && c != '\\' && c != '<' && c != '>' && c != '&') {
-                s++;
-                continue;
-            }
-            put(w, run, (size_t)(s - run));
-            switch (c) {
-            case '"': PUT_LIT(w, "\\\""); break;
-            case '\\': PUT_LIT(w, "\\\\"); break;
-            case '\n': PUT_LIT(w, "\\n"); break;
-            case '\r': PUT_LIT(w, "\\r"); break;
-            case '\t': PUT_LIT(w, "\\t"); break;
-            case '\b': PUT_LIT(w, "\\b"); break;
-            case '\f': PUT_LIT(w, "\\f"); break;
-            default: {
-                char esc[6] = {'\\', 'u', '0', '0', hex[c >> 4], hex[c & 0xF]};
-                put(w, esc, sizeof esc);
-            }
-            }
-            s++;
-            run = s;
-            continue;
-        }
-        size_t n = utf8_seq(s);
-        if (n == 0) {
-            put(w, run, (size_t)(s - run));
-            PUT_LIT(w, "\\ufffd");
-            s++;
-            run = s;
-            continue;
-        }
-        if (n == 3 && c == 0xE2 && s[1] == 0x80 && (s[2] == 0xA8 || s[2] == 0xA9)) {
-            put(w, run, (size_t)(s - run));
-            if (s[2] == 0xA8)
-                PUT_LIT(w, "\\u2028");
-            else
-                PUT_LIT(w, "\\u2029");
-            s += 3;
-            run = s;
-            continue;
-        }
-        s += n;
+    switch (c) {
+    case '"': PUT_LIT(w, "\\\""); break;
+    case '\\': PUT_LIT(w, "\\\\"); break;
+    case '\n': PUT_LIT(w, "\\n"); break;
+    case '\r': PUT_LIT(w, "\\r"); break;
+    case '\t': PUT_LIT(w, "\\t"); break;
+    case '\b': PUT_LIT(w, "\\b"); break;
+    case '\f': PUT_LIT(w, "\\f"); break;
+    default: {
+        uint8_t esc[6] = {'\\', 'u', '0', '0', (uint8_t)hex[c >> 4], (uint8_t)hex[c & 0xF]};
+        put(w, esc, sizeof esc);
     }
-    put(w, run, (size_t)(s - run));
+    }
+}
+
+/* Go's encoding of one decoded character (never a surrogate). */
+static void put_rune(writer *w, uint32_t r) {
+    uint8_t b[4];
+    if (r < 0x80) {
+        b[0] = (uint8_t)r;
+        if (BYTE_CLASS[r])
+            put_ascii_escape(w, b[0]);
+        else
+            put(w, b, 1);
+    } else if (r == 0x2028) {
+        PUT_LIT(w, "\\u2028");
+    } else if (r == 0x2029) {
+        PUT_LIT(w, "\\u2029");
+    } else if (r < 0x800) {
+        b[0] = (uint8_t)(0xC0 | (r >> 6));
+        b[1] = (uint8_t)(0x80 | (r & 0x3F));
+        put(w, b, 2);
+    } else if (r < 0x10000) {
+        b[0] = (uint8_t)(0xE0 | (r >> 12));
+        b[1] = (uint8_t)(0x80 | ((r >> 6) & 0x3F));
+        b[2] = (uint8_t)(0x80 | (r & 0x3F));
+        put(w, b, 3);
+    } else {
+        b[0] = (uint8_t)(0xF0 | (r >> 18));
+        b[1] = (uint8_t)(0x80 | ((r >> 12) & 0x3F));
+        b[2] = (uint8_t)(0x80 | ((r >> 6) & 0x3F));
+        b[3] = (uint8_t)(0x80 | (r & 0x3F));
+        put(w, b, 4);
+    }
+}
+
+static int hex_digit(uint8_t c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    c |= 0x20;
+    return c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+}
+
+/* The code unit of "\uXXXX" at s, or -1 (stops at a NUL). */
+static int32_t hex4(const uint8_t *s) {
+    if (s[0] != '\\' || s[1] != 'u') return -1;
+    int32_t v = 0;
+    for (int i = 2; i < 6; i++) {
+        int d = hex_digit(s[i]);
+        if (d < 0) return -1;
+        v = v << 4 | d;
+    }
+    return v;
+}
+
+/* Whether the rest of a C string, from a backslash on, can close a valid JSON string literal
+ * (RFC 8259): only the escapes \" \\ \/ \b \f \n \r \t \uXXXX, no control character, no bare
+ * quote, valid UTF-8. */
+static int literal_rest_valid(const uint8_t *s) {
+    for (;;) {
+        uint8_t c = *s;
+        if (c == 0) return 1;
+        if (c < 0x20 || c == '"') return 0;
+        if (c == '\\') {
+            if (s[1] != 0 && strchr("\"\\/bfnrt", s[1]) != NULL) {
+                s += 2;
+            } else if (hex4(s) >= 0) {
+                s += 6;
+            } else {
+                return 0;
+            }
+        } else if (c >= 0x80) {
+            size_t n = utf8_seq(s);
+            if (n == 0) return 0;
+            s += n;
+        } else {
+            s++;
+        }
+    }
+}
+
+/* Decodes the escape at s as Go's json.Unmarshal does and writes the character as Go's encoder
+ * does; returns what follows.  A \uXXXX surrogate pair is one character; a lone surrogate is
+ * U+FFFD (and a following \uXXXX that does not complete it stands on its own). */
+static const uint8_t *put_unescaped(writer *w, const uint8_t *s) {
+    if (s[1] == '/') {
+        PUT_LIT(w, "/");
+        return s + 2;
+    }
+    if (s[1] != 'u') { /* \" \\ \b \f \n \r \t: Go writes the decoded character back the same way */
+        put(w, s, 2);
+        return s + 2;
+    }
+    uint32_t r = (uint32_t)hex4(s);
+    s += 6;
+    if (r >= 0xD800 && r < 0xE000) {
+        int32_t low = r < 0xDC00 ? hex4(s) : -1;
+        if (low >= 0xDC00 && low < 0xE000) {
+            r = 0x10000 + ((r - 0xD800) << 10) + ((uint32_t)low - 0xDC00);
+            s += 6;
+        } else {
+            r = 0xFFFD;
+        }
+    }
+    put_rune(w, r);
+    return s;
+}
+
+enum { MAYBE_LITERAL, DECODE, RAW };
+
+/* The character at s that Go's encoder rewrites (class 1, invalid UTF-8, U+2028/9) -- or, once the
+ * string is known to be a JSON literal, the escape at s, decoded; returns what follows. */
+static const uint8_t *put_special(writer *w, const uint8_t *s, int *mode) {
+    uint8_t c = *s;
+    if (c == '\\' && *mode != RAW) {
+        if (*mode == MAYBE_LITERAL) *mode = literal_rest_valid(s) ? DECODE : RAW;
+        if (*mode == DECODE) return put_unescaped(w, s);
+    }
+    if (c >= 0x80) {
+        if (utf8_seq(s) == 0) {
+            *mode = RAW;
+            PUT_LIT(w, "\\ufffd");
+            return s + 1;
+        }
+        put_rune(w, s[2] == 0xA8 ? 0x2028 : 0x2029);
+        return s + 3;
+    }
+    if (c < 0x20 || c == '"') *mode = RAW;
+    put_ascii_escape(w, c);
+    return s + 1;
+}
+
+/* A C string as a JSON string, the way TaskD's round trip writes it (NULL prints as "NULL").
+ *
+ * TaskD snprintf()s the raw bytes between quotes, json.Unmarshal()s the line and json.Marshal()s
+ * it again.  So when `"` + raw + `"` is a valid JSON string literal, the name on disk is its
+ * *decoded* text, encoded by Go: torch_npu's HCCL names arrive with their quotes pre-escaped
+ * ({\"opName\":...}) and come out as {"opName":...}.  Any other string (TaskD would drop the
+ * record) is escaped byte for byte as Go encodes a string of those bytes.  Both read the same for
+ * a string without a backslash, so those take the plain loop; the check only runs from the first
+ * backslash, everything before it having been checked on the way. */
+static void put_str(writer *w, const char *str) {
+    const uint8_t *s = (const uint8_t *)(str != NULL ? str : "NULL");
+    int mode = MAYBE_LITERAL;
+    PUT_LIT(w, "\"");
+    for (;;) {
+        uint8_t *p = w->p, *end = w->end; /* bytes Go copies as they are, copied while scanning */
+        while (p < end && BYTE_CLASS[*s] == 0) *p++ = *s++;
+        w->p = p;
+        uint8_t c = *s;
+        size_t n = 1;
+        if (BYTE_CLASS[c] == 0 || (c >= 0x80 && (n = utf8_seq(s)) != 0 && !(n == 3 && is_line_separator(s)))) {
+            put(w, s, n); /* at the end of the free stretch (put wraps or gives up), or valid UTF-8 */
+            s += n;
+        } else if (c == 0) {
+            break;
+        } else {
+            s = put_special(w, s, &mode);
+        }
+    }
     PUT_LIT(w, "\"");
 }
 
-static void ser_marker(writer *w, const msptiActivityMarker *m) {
-    PUT_LIT(w, "{\"Kind\":");
-    put_i32(w, (int32_t)m->kind);
-    PUT_LIT(w, ",\"Flag\":");
-    put_i32(w, m->flag);
-    PUT_LIT(w, ",\"SourceKind\":");
-    put_i32(w, m->sourceKind);
-    PUT_LIT(w, ",\"Timestamp\":");
-    put_u64(w, m->timestamp);
-    PUT_LIT(w, ",\"Id\":");
-    put_u64(w, m->id);
-    uint32_t a = m->objectId.pt.processId, b = m->objectId.pt.threadId;
-    PUT_LIT(w, ",\"MsptiObjectId\":{\"Pt\":{\"ProcessId\":");
-    put_u64(w, a);
-    PUT_LIT(w, ",\"ThreadId\":");
-    put_u64(w, b);
-    PUT_LIT(w, "},\"Ds\":{\"DeviceId\":");
-    put_u64(w, a);
-    PUT_LIT(w, ",\"StreamId\":");
-    put_u64(w, b);
-    PUT_LIT(w, "}},\"Name\":");
-    put_str(w, m->name);
-    PUT_LIT(w, ",\"Domain\":");
-    put_str(w, m->domain);
-    PUT_LIT(w, "}\n");
+/* ------------------------------------------------------------------ records (Go json.Marshal) */
+
+/* A line is a list of fields: the literal text before a value, the value's type and its offset in
+ * the activity record (the structs are packed: values are read with memcpy). */
+enum { V_END, V_I32, V_ID, V_U64, V_STR }; /* V_ID: a uint32 id of a pair (at off, off + 4) */
+#define LIT_MAX 40
+typedef struct {
+    char lit[LIT_MAX];
+    uint8_t len, type, off;
+} field;
+#define F(lit, type, off) {lit, sizeof(lit) - 1, type, off}
+#define PT_A offsetof(msptiActivityMarker, objectId)
+#define PT_B (offsetof(msptiActivityMarker, objectId) + 4)
+
+/* MsptiActivityMark: the 8-byte object-id union is printed twice, as Pt and as Ds. */
+static const field MARKER_LINE[] = {
+    F("{\"Kind\":", V_I32, 0),
+    F(",\"Flag\":", V_I32, offsetof(msptiActivityMarker, flag)),
+    F(",\"SourceKind\":", V_I32, offsetof(msptiActivityMarker, sourceKind)),
+    F(",\"Timestamp\":", V_U64, offsetof(msptiActivityMarker, timestamp)),
+    F(",\"Id\":", V_U64, offsetof(msptiActivityMarker, id)),
+    F(",\"MsptiObjectId\":{\"Pt\":{\"ProcessId\":", V_ID, PT_A),
+    F(",\"ThreadId\":", V_ID, PT_B),
+    F("},\"Ds\":{\"DeviceId\":", V_ID, PT_A),
+    F(",\"StreamId\":", V_ID, PT_B),
+    F("}},\"Name\":", V_STR, offsetof(msptiActivityMarker, name)),
+    F(",\"Domain\":", V_STR, offsetof(msptiActivityMarker, domain)),
+    F("}\n", V_END, 0),
+};
+static const field API_LINE[] = {
+    F("{\"Kind\":", V_I32, 0),
+    F(",\"Start\":", V_U64, offsetof(msptiActivityApi, start)),
+    F(",\"End\":", V_U64, offsetof(msptiActivityApi, end)),
+    F(",\"Pt\":{\"ProcessId\":", V_ID, offsetof(msptiActivityApi, pt)),
+    F(",\"ThreadId\":", V_ID, offsetof(msptiActivityApi, pt) + 4),
+    F("},\"CorrelationId\":", V_U64, offsetof(msptiActivityApi, correlationId)),
+    F(",\"Name\":", V_STR, offsetof(msptiActivityApi, name)),
+    F("}\n", V_END, 0),
+};
+static const field KERNEL_LINE[] = {
+    F("{\"Kind\":", V_I32, 0),
+    F(",\"Start\":", V_U64, offsetof(msptiActivityKernel, start)),
+    F(",\"End\":", V_U64, offsetof(msptiActivityKernel, end)),
+    F(",\"Ds\":{\"DeviceId\":", V_ID, offsetof(msptiActivityKernel, ds)),
+    F(",\"StreamId\":", V_ID, offsetof(msptiActivityKernel, ds) + 4),
+    F("},\"CorrelationId\":", V_U64, offsetof(msptiActivityKernel, correlationId)),
+    F(",\"Type\":", V_STR, offsetof(msptiActivityKernel, type)),
+    F(",\"Name\":", V_STR, offsetof(msptiActivityKernel, name)),
+    F("}\n", V_END, 0),
+};
+
+/* The text of the last process/thread (or device/stream) id printed: Pt and Ds print the same
+ * union, and consecutive records mostly come from one thread. */
+typedef struct {
+    uint32_t value;
+    uint8_t len; /* 0: empty */
+    uint8_t text[16];
+} id_text;
+
+static void put_id(writer *w, id_text *memo, uint32_t v) {
+    if (memo->value != v || memo->len == 0) {
+        memo->value = v;
+        memo->len = (uint8_t)(fmt_u64(memo->text, v) - memo->text);
+    }
+    put_slot(w, memo->text, memo->len, sizeof memo->text);
 }
 
-static void ser_api(writer *w, const msptiActivityApi *r) {
-    PUT_LIT(w, "{\"Kind\":");
-    put_i32(w, (int32_t)r->kind);
-    PUT_LIT(w, ",\"Start\":");
-    put_u64(w, r->start);
-    PUT_LIT(w, ",\"End\":");
-    put_u64(w, r->end);
-    PUT_LIT(w, ",\"Pt\":{\"ProcessId\":");
-    put_u64(w, r->pt.processId);
-    PUT_LIT(w, ",\"ThreadId\":");
-    put_u64(w, r->pt.threadId);
-    PUT_LIT(w, "},\"CorrelationId\":");
-    put_u64(w, r->correlationId);
-    PUT_LIT(w, ",\"Name\":");
-    put_str(w, r->name);
-    PUT_LIT(w, "}\n");
+/* ids: the memo of each id of a pair, indexed by its offset / 4 % 2 (the two never share one) */
+static void put_line(writer *w, const uint8_t *rec, const field *f, id_text ids[2]) {
+    for (;; f++) {
+        put_slot(w, f->lit, f->len, LIT_MAX);
+        int32_t i32;
+        uint32_t u32;
+        uint64_t u64;
+        const char *str;
+        switch (f->type) {
+        case V_END: return;
+        case V_I32:
+            memcpy(&i32, rec + f->off, sizeof i32);
+            put_i32(w, i32);
+            break;
+        case V_ID:
+            memcpy(&u32, rec + f->off, sizeof u32);
+            put_id(w, &ids[(f->off >> 2) & 1], u32);
+            break;
+        case V_U64:
+            memcpy(&u64, rec + f->off, sizeof u64);
+            put_u64(w, u64);
+            break;
+        default:
+            memcpy(&str, rec + f->off, sizeof str);
+            put_str(w, str);
+        }
+    }
 }
 
-static void ser_kernel(writer *w, const msptiActivityKernel *r) {
-    PUT_LIT(w, "{\"Kind\":");
-    put_i32(w, (int32_t)r->kind);
-    PUT_LIT(w, ",\"Start\":");
-    put_u64(w, r->start);
-    PUT_LIT(w, ",\"End\":");
-    put_u64(w, r->end);
-    PUT_LIT(w, ",\"Ds\":{\"DeviceId\":");
-    put_u64(w, r->ds.deviceId);
-    PUT_LIT(w, ",\"StreamId\":");
-    put_u64(w, r->ds.streamId);
-    PUT_LIT(w, "},\"CorrelationId\":");
-    put_u64(w, r->correlationId);
-    PUT_LIT(w, ",\"Type\":");
-    put_str(w, r->type);
-    PUT_LIT(w, ",\"Name\":");
-    put_str(w, r->name);
-    PUT_LIT(w, "}\n");
-}
+enum { WRITTEN, DROPPED, SKIPPED };
 
-/* One record -> one line in the ring (or dropped when the ring lacks room). */
-static void emit_record(const uint8_t *rec) {
+/* One record -> one line at the ring's head.  prod_mu held. */
+static int emit_record(const uint8_t *rec, uint64_t *bytes, id_text ids[2]) {
     int32_t kind;
     memcpy(&kind, rec, sizeof kind);
-    union {
-        msptiActivityMarker marker;
-        msptiActivityApi api;
-        msptiActivityKernel kernel;
-    } r;
-    writer measure = {0};
-    switch (kind) {
-    case MSPTI_ACTIVITY_KIND_MARKER:
-        memcpy(&r.marker, rec, sizeof r.marker);
-        ser_marker(&measure, &r.marker);
-        break;
-    case MSPTI_ACTIVITY_KIND_API:
-        memcpy(&r.api, rec, sizeof r.api);
-        ser_api(&measure, &r.api);
-        break;
-    case MSPTI_ACTIVITY_KIND_KERNEL:
-        memcpy(&r.kernel, rec, sizeof r.kernel);
-        ser_kernel(&measure, &r.kernel);
-        break;
-    default:
-        count(C_RECORDS_SKIPPED, 1);
-        return;
+    const field *line = kind == MSPTI_ACTIVITY_KIND_MARKER ? MARKER_LINE
+                        : kind == MSPTI_ACTIVITY_KIND_API  ? API_LINE
+                        : kind == MSPTI_ACTIVITY_KIND_KERNEL ? KERNEL_LINE
+                                                             : NULL;
+    if (line == NULL) return SKIPPED;
+    uint64_t head = atomic_load_explicit(&G.head, memory_order_relaxed);
+    uint64_t used = (mark_bytes(head) - mark_bytes(atomic_load_explicit(&G.tail, memory_order_acquire))) &
+                    MARK_BYTES_MASK;
+    size_t room = G.cap - (size_t)used;
+    size_t pos = G.head_pos, first = G.cap - pos < room ? G.cap - pos : room;
+    writer w = {.p = G.ring + pos, .end = G.ring + pos + first, .base = G.ring + pos};
+    if (room > first) {
+        w.wrap = G.ring;
+        w.wrap_room = room - first;
     }
-    size_t len = measure.len;
-    pthread_mutex_lock(&G.ring_mu);
-    if (G.cap - G.used < len) {
-        pthread_mutex_unlock(&G.ring_mu);
-        count(C_RECORDS_DROPPED, 1);
-        return;
-    }
-    size_t head = G.tail + G.used;
-    if (head >= G.cap) head -= G.cap;
-    writer w = {.ring = G.ring, .cap = G.cap, .pos = head, .len = 0};
-    if (kind == MSPTI_ACTIVITY_KIND_MARKER)
-        ser_marker(&w, &r.marker);
-    else if (kind == MSPTI_ACTIVITY_KIND_API)
-        ser_api(&w, &r.api);
-    else
-        ser_kernel(&w, &r.kernel);
-    G.used += w.len;
-    pthread_mutex_unlock(&G.ring_mu);
-    count(C_RECORDS, 1);
-    count(C_BYTES, w.len);
+    put_line(&w, rec, line, ids);
+    if (w.full) return DROPPED;
+    size_t len = w.before + (size_t)(w.p - w.base);
+    pos += len;
+    G.head_pos = pos >= G.cap ? pos - G.cap : pos;
+    atomic_store_explicit(&G.head, mark(mark_bytes(head) + len, mark_lines(head) + 1), memory_order_release);
+    *bytes += len;
+    return WRITTEN;
 }
 
 /* ------------------------------------------------------------------ MSPTI callbacks (no GIL) */
@@ -360,7 +612,14 @@ static void on_request(uint8_t **buffer, size_t *size, size_t *maxNumRecords) {
     leave();
 }
 
+static inline uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
 static void on_complete(uint8_t *buffer, size_t size, size_t validSize) {
+    uint64_t start = now_ns();
     (void)size;
     if (buffer == NULL || !enter()) return;
     uintptr_t base = (uintptr_t)G.slab, p = (uintptr_t)buffer;
@@ -369,12 +628,24 @@ static void on_complete(uint8_t *buffer, size_t size, size_t validSize) {
         return;
     }
     if (validSize > G.buf_bytes) validSize = G.buf_bytes;
+    uint64_t n[3] = {0}, bytes = 0;
+    id_text ids[2] = {{0}, {0}};
     msptiActivity *rec = NULL;
-    while (G.api.get_next(buffer, validSize, &rec) == MSPTI_SUCCESS && rec != NULL) emit_record((const uint8_t *)rec);
+    pthread_mutex_lock(&G.prod_mu);
+    while (G.api.get_next(buffer, validSize, &rec) == MSPTI_SUCCESS && rec != NULL)
+        n[emit_record((const uint8_t *)rec, &bytes, ids)]++;
+    pthread_mutex_unlock(&G.prod_mu);
+    count(C_RECORDS, n[WRITTEN]);
+    count(C_RECORDS_DROPPED, n[DROPPED]);
+    count(C_RECORDS_SKIPPED, n[SKIPPED]);
+    count(C_BYTES, bytes);
     pthread_mutex_lock(&G.pool_mu);
     G.free_stack[G.nfree++] = (uint32_t)((p - base) / G.buf_bytes);
     pthread_mutex_unlock(&G.pool_mu);
     count(C_BUFFERS_COMPLETED, 1);
+    uint64_t spent = now_ns() - start;
+    count(C_COMPLETE_NS, spent);
+    count_max(C_COMPLETE_MAX_NS, spent);
     leave();
 }
 
@@ -382,12 +653,134 @@ static void on_complete(uint8_t *buffer, size_t size, size_t validSize) {
 
 typedef struct {
     PyObject_HEAD
-    int owner;      /* this object opened the global state and has not closed it */
+    int owner; /* this object opened the global state and has not closed it */
     int subscribed;
     msptiSubscriberHandle handle;
-    PyObject *leftover; /* ring contents at close, returned by the next drain() */
+    pthread_mutex_t mu;       /* the consumer side: the ring's tail while owner, else the leftover */
+    PyObject *leftover;       /* ring contents at close (bytes), handed out by the next drains */
+    Py_ssize_t leftover_off;  /* how much of it is consumed */
     uint64_t final_counters[C_COUNT];
 } Collector;
+
+/* The complete lines waiting: a, then b (the part after the ring's wrap), `lines` of them.
+ * self->mu held. */
+typedef struct {
+    const uint8_t *a, *b;
+    size_t na, nb, lines;
+} waiting_lines;
+
+static size_t count_lines(const uint8_t *p, size_t n) {
+    size_t lines = 0;
+    const uint8_t *end = p + n;
+    while (p < end && (p = memchr(p, '\n', (size_t)(end - p))) != NULL) {
+        lines++;
+        p++;
+    }
+    return lines;
+}
+
+static waiting_lines waiting(Collector *self) {
+    waiting_lines v = {NULL, NULL, 0, 0, 0};
+    if (self->owner) {
+        uint64_t head = atomic_load_explicit(&G.head, memory_order_acquire);
+        uint64_t tail = atomic_load_explicit(&G.tail, memory_order_relaxed);
+        size_t n = (size_t)((mark_bytes(head) - mark_bytes(tail)) & MARK_BYTES_MASK);
+        size_t first = G.cap - G.tail_pos;
+        v.a = G.ring + G.tail_pos;
+        v.na = n <= first ? n : first;
+        v.b = G.ring;
+        v.nb = n - v.na;
+        v.lines = (size_t)((mark_lines(head) - mark_lines(tail)) & MARK_LINES_MASK);
+    } else if (self->leftover != NULL) {
+        v.a = (const uint8_t *)PyBytes_AS_STRING(self->leftover) + self->leftover_off;
+        v.na = (size_t)(PyBytes_GET_SIZE(self->leftover) - self->leftover_off);
+        v.lines = count_lines(v.a, v.na); /* once, at the end */
+    }
+    return v;
+}
+
+/* Producers only write past the head, so what waiting() saw stays put until consume(). */
+static void consume(Collector *self, size_t n, size_t lines) {
+    if (self->owner) {
+        size_t pos = G.tail_pos + n;
+        G.tail_pos = pos >= G.cap ? pos - G.cap : pos;
+        uint64_t tail = atomic_load_explicit(&G.tail, memory_order_relaxed);
+        atomic_store_explicit(&G.tail, mark(mark_bytes(tail) + n, mark_lines(tail) + lines), memory_order_release);
+    } else {
+        self->leftover_off += (Py_ssize_t)n;
+    }
+}
+
+/* Bytes of the whole lines at the front of v that fit in max_bytes (all of them when negative). */
+static size_t whole_lines(waiting_lines v, Py_ssize_t max_bytes) {
+    size_t n = v.na + v.nb;
+    if (max_bytes < 0 || (size_t)max_bytes >= n) return n;
+    size_t m = (size_t)max_bytes;
+    if (m > v.na) {
+        const uint8_t *nl = memrchr(v.b, '\n', m - v.na);
+        if (nl != NULL) return v.na + (size_t)(nl - v.b) + 1;
+        m = v.na;
+    }
+    const uint8_t *nl = memrchr(v.a, '\n', m);
+    return nl != NULL ? (size_t)(nl - v.a) + 1 : 0;
+}
+
+static size_t first_part(waiting_lines v, size_t n) { return n < v.na ? n : v.na; }
+
+/* The lines in the first n bytes of v (whole lines). */
+static size_t lines_in(waiting_lines v, size_t n) {
+    if (n == v.na + v.nb) return v.lines;
+    size_t na = first_part(v, n);
+    return count_lines(v.a, na) + count_lines(v.b, n - na);
+}
+
+/* write(2)s the first n bytes of v, through partial writes and EINTR; 0 or an errno. */
+static int write_lines(int fd, waiting_lines v, size_t n, size_t *written) {
+    size_t na = first_part(v, n);
+    const uint8_t *part[2] = {v.a, v.b};
+    size_t left[2] = {na, n - na};
+    *written = 0;
+    for (int i = 0; i < 2; i++) {
+        const uint8_t *p = part[i];
+        while (left[i] > 0) {
+            ssize_t k = write(fd, p, left[i] < ((size_t)1 << 30) ? left[i] : ((size_t)1 << 30));
+            if (k < 0) {
+                if (errno == EINTR) continue;
+                return errno;
+            }
+            if (k == 0) return EIO;
+            p += k;
+            left[i] -= (size_t)k;
+            *written += (size_t)k;
+        }
+    }
+    return 0;
+}
+
+/* Takes self->mu without holding the GIL while it waits (the lock order is mu, then the GIL). */
+static void lock_consumer(Collector *self) {
+    if (pthread_mutex_trylock(&self->mu) != 0) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&self->mu);
+        Py_END_ALLOW_THREADS
+    }
+}
+
+/* All waiting lines as bytes, consumed.  self->mu and the GIL held. */
+static PyObject *take_all(Collector *self) {
+    if (!self->owner && self->leftover != NULL && self->leftover_off == 0) {
+        PyObject *out = self->leftover;
+        self->leftover = NULL;
+        return out;
+    }
+    waiting_lines v = waiting(self);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(v.na + v.nb));
+    if (out == NULL) return NULL;
+    if (v.na) memcpy(PyBytes_AS_STRING(out), v.a, v.na);
+    if (v.nb) memcpy(PyBytes_AS_STRING(out) + v.na, v.b, v.nb);
+    consume(self, v.na + v.nb, v.lines);
+    return out;
+}
 
 static void switch_calls(Collector *self, int default_on, int comm_on) {
     mspti_api *api = &G.api;
@@ -416,36 +809,14 @@ static void switch_calls(Collector *self, int default_on, int comm_on) {
         api->disable_domain("communication");
 }
 
-static PyObject *take_ring(void) {
-    pthread_mutex_lock(&G.ring_mu);
-    size_t tail = G.tail, n = G.used;
-    pthread_mutex_unlock(&G.ring_mu);
-    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n);
-    if (out == NULL) return NULL;
-    /* Producers only write past tail+used, so [tail, tail+n) is stable without the lock. */
-    char *dst = PyBytes_AS_STRING(out);
-    size_t first = G.cap - tail;
-    if (n <= first) {
-        memcpy(dst, G.ring + tail, n);
-    } else {
-        memcpy(dst, G.ring + tail, first);
-        memcpy(dst + first, G.ring, n - first);
-    }
-    pthread_mutex_lock(&G.ring_mu);
-    G.tail = tail + n;
-    if (G.tail >= G.cap) G.tail -= G.cap;
-    G.used -= n;
-    pthread_mutex_unlock(&G.ring_mu);
-    return out;
-}
-
 static void sleep_ms(long ms) {
     struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
     nanosleep(&ts, NULL);
 }
 
 /* Switch off, flush, wait for in-flight callbacks, free.  With `release_gil` the MSPTI calls run
- * without the GIL (they may call our callbacks synchronously, which never need it). */
+ * without the GIL (they may call our callbacks synchronously, which never need it); without it
+ * (dealloc) no other thread can hold self->mu. */
 static int do_close(Collector *self, int release_gil) {
     if (!self->owner) return 0;
     PyThreadState *ts = release_gil ? PyEval_SaveThread() : NULL;
@@ -458,19 +829,24 @@ static int do_close(Collector *self, int release_gil) {
         waited++;
     }
     int quiet = atomic_load(&G.inflight) == 0;
+    pthread_mutex_lock(&self->mu);
     if (ts != NULL) PyEval_RestoreThread(ts);
 
     for (int i = 0; i < C_COUNT; i++) self->final_counters[i] = atomic_load(&G.counters[i]);
     if (quiet) {
-        PyObject *rest = take_ring();
+        PyObject *rest = take_all(self);
         if (rest == NULL) {
             PyErr_Clear();
         } else {
             Py_XSETREF(self->leftover, rest);
+            self->leftover_off = 0;
         }
         free(G.ring);
         G.ring = NULL;
-        G.cap = G.tail = G.used = 0;
+        G.cap = 1;
+        G.head_pos = G.tail_pos = 0;
+        atomic_store(&G.head, 0);
+        atomic_store(&G.tail, 0);
         if (G.nfree == G.nbuf) { /* MSPTI holds none of our buffers: safe to free them */
             free(G.slab);
             free(G.free_stack);
@@ -483,11 +859,20 @@ static int do_close(Collector *self, int release_gil) {
        * use after free */
     G.open = 0;
     self->owner = 0;
+    pthread_mutex_unlock(&self->mu);
     return 0;
 }
 
 static int collector_open(Collector *self, const char *lib_path, Py_ssize_t buffers, Py_ssize_t buffer_bytes,
                           Py_ssize_t ring_bytes);
+
+static PyObject *Collector_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    (void)args;
+    (void)kwds;
+    Collector *self = (Collector *)type->tp_alloc(type, 0);
+    if (self != NULL) pthread_mutex_init(&self->mu, NULL);
+    return (PyObject *)self;
+}
 
 static int Collector_init(Collector *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"lib_path", "buffers", "buffer_bytes", "ring_bytes", NULL};
@@ -515,8 +900,8 @@ static int collector_open(Collector *self, const char *lib_path, Py_ssize_t buff
         PyErr_SetString(PyExc_ValueError, "buffer_bytes must be at least 64");
         return -1;
     }
-    if (ring_bytes < 256) {
-        PyErr_SetString(PyExc_ValueError, "ring_bytes must be at least 256");
+    if (ring_bytes < 256 || ring_bytes > MAX_RING_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "ring_bytes must be between 256 and 1 GiB");
         return -1;
     }
     if (G.open) {
@@ -579,12 +964,16 @@ static int collector_open(Collector *self, const char *lib_path, Py_ssize_t buff
     G.nfree = G.nbuf;
     G.ring = ring;
     G.cap = (size_t)ring_bytes;
-    G.tail = G.used = 0;
+    G.head_pos = G.tail_pos = 0;
+    atomic_store(&G.head, 0);
+    atomic_store(&G.tail, 0);
     for (int i = 0; i < C_COUNT; i++) atomic_store(&G.counters[i], 0);
     G.open = 1;
     self->owner = 1;
     self->subscribed = 0;
     self->handle = NULL;
+    Py_CLEAR(self->leftover);
+    self->leftover_off = 0;
     atomic_store(&G.closed, 0);
 
     msptiResult rc = api.register_callbacks(on_request, on_complete);
@@ -611,15 +1000,79 @@ static PyObject *Collector_set_switch(Collector *self, PyObject *args, PyObject 
 }
 
 static PyObject *Collector_drain(Collector *self, PyObject *Py_UNUSED(ignored)) {
-    if (!self->owner) {
-        if (self->leftover != NULL) {
-            PyObject *out = self->leftover;
-            self->leftover = NULL;
-            return out;
+    lock_consumer(self);
+    PyObject *out = take_all(self);
+    pthread_mutex_unlock(&self->mu);
+    return out;
+}
+
+static int parse_max_bytes(PyObject *args, PyObject *kwds, const char *format, Py_ssize_t *max_bytes) {
+    static char *kwlist[] = {"max_bytes", NULL};
+    *max_bytes = -1;
+    return PyArg_ParseTupleAndKeywords(args, kwds, format, kwlist, max_bytes);
+}
+
+static PyObject *Collector_pending(Collector *self, PyObject *args, PyObject *kwds) {
+    Py_ssize_t max_bytes;
+    if (!parse_max_bytes(args, kwds, "|n:pending", &max_bytes)) return NULL;
+    lock_consumer(self);
+    size_t n = whole_lines(waiting(self), max_bytes);
+    pthread_mutex_unlock(&self->mu);
+    return PyLong_FromSize_t(n);
+}
+
+static PyObject *Collector_discard(Collector *self, PyObject *args, PyObject *kwds) {
+    Py_ssize_t max_bytes;
+    if (!parse_max_bytes(args, kwds, "|n:discard", &max_bytes)) return NULL;
+    lock_consumer(self);
+    waiting_lines v = waiting(self);
+    size_t n = whole_lines(v, max_bytes), lines = lines_in(v, n);
+    consume(self, n, lines);
+    pthread_mutex_unlock(&self->mu);
+    return Py_BuildValue("(nn)", (Py_ssize_t)n, (Py_ssize_t)lines);
+}
+
+/* OSError(errno) carrying what the failed drain_to took: `written` of its `size` bytes (`lines`
+ * lines) reached the file before the error; all of them are gone from the collector. */
+static PyObject *drain_error(int err, size_t written, size_t size, size_t lines) {
+    PyObject *exc = PyObject_CallFunction(PyExc_OSError, "is", err, strerror(err));
+    if (exc == NULL) return NULL;
+    const char *names[] = {"written", "size", "lines"};
+    size_t values[] = {written, size, lines};
+    for (int i = 0; i < 3; i++) {
+        PyObject *v = PyLong_FromSize_t(values[i]);
+        if (v == NULL || PyObject_SetAttrString(exc, names[i], v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(exc);
+            return NULL;
         }
-        return PyBytes_FromStringAndSize("", 0);
+        Py_DECREF(v);
     }
-    return take_ring();
+    PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+    Py_DECREF(exc);
+    return NULL;
+}
+
+static PyObject *Collector_drain_to(Collector *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"fd", "max_bytes", NULL};
+    PyObject *file;
+    Py_ssize_t max_bytes = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|n:drain_to", kwlist, &file, &max_bytes)) return NULL;
+    int fd = PyObject_AsFileDescriptor(file);
+    if (fd < 0) return NULL;
+    size_t n, lines, written;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    waiting_lines v = waiting(self);
+    n = whole_lines(v, max_bytes);
+    lines = lines_in(v, n);
+    err = write_lines(fd, v, n, &written);
+    consume(self, n, lines);
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    if (err != 0) return drain_error(err, written, n, lines);
+    return Py_BuildValue("(nn)", (Py_ssize_t)n, (Py_ssize_t)lines);
 }
 
 static PyObject *Collector_flush(Collector *self, PyObject *Py_UNUSED(ignored)) {
@@ -666,6 +1119,7 @@ static void Collector_dealloc(Collector *self) {
     /* May run at interpreter exit while MSPTI threads are still delivering buffers. */
     do_close(self, 0);
     Py_CLEAR(self->leftover);
+    pthread_mutex_destroy(&self->mu);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -673,6 +1127,15 @@ static PyMethodDef Collector_methods[] = {
     {"set_switch", (PyCFunction)(void (*)(void))Collector_set_switch, METH_VARARGS | METH_KEYWORDS,
      "set_switch(default_on, comm_on): TaskD's switch: MARKER kind on/off, then the communication domain."},
     {"drain", (PyCFunction)Collector_drain, METH_NOARGS, "drain() -> bytes: all complete lines since the last drain."},
+    {"drain_to", (PyCFunction)(void (*)(void))Collector_drain_to, METH_VARARGS | METH_KEYWORDS,
+     "drain_to(fd, max_bytes=-1) -> (bytes, lines): write(2) the complete lines waiting (as many whole\n"
+     "lines as fit in max_bytes; all when negative) straight from the collector to fd, without the GIL.\n"
+     "The lines taken are consumed either way: on an error OSError(errno) is raised with `written`\n"
+     "(bytes that reached fd), `size` and `lines` (what was taken)."},
+    {"pending", (PyCFunction)(void (*)(void))Collector_pending, METH_VARARGS | METH_KEYWORDS,
+     "pending(max_bytes=-1) -> int: bytes of the complete lines waiting (of those that fit in max_bytes)."},
+    {"discard", (PyCFunction)(void (*)(void))Collector_discard, METH_VARARGS | METH_KEYWORDS,
+     "discard(max_bytes=-1) -> (bytes, lines): drop the complete lines that drain_to would write."},
     {"flush", (PyCFunction)Collector_flush, METH_NOARGS, "flush(): msptiActivityFlushAll(1) without the GIL."},
     {"close", (PyCFunction)Collector_close, METH_NOARGS, "close(): switch off, flush, wait for callbacks, free."},
     {"counters", (PyCFunction)Collector_counters, METH_NOARGS, "counters() -> dict of collector counters."},
@@ -688,7 +1151,7 @@ static PyTypeObject CollectorType = {
                         "MSPTI activity buffers -> TaskD JSON lines, serialised in MSPTI's threads."),
     .tp_basicsize = sizeof(Collector),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
+    .tp_new = Collector_new,
     .tp_init = (initproc)Collector_init,
     .tp_dealloc = (destructor)Collector_dealloc,
     .tp_methods = Collector_methods,

@@ -9,13 +9,16 @@ Same API and the same output, byte for byte, as `agent._native.Collector`:
 * the completion callback walks the buffer with `msptiActivityGetNextRecord`, serialises marker,
   API and kernel records (`jsonlines`), counts and skips any other kind, and returns the buffer to
   the pool; the lines wait in a queue bounded by `ring_bytes` (past it records are dropped, counted);
-* `drain()` hands over the complete lines gathered since the last drain.
+  the time spent in it is counted (`complete_ns`, `complete_max_ns`);
+* `drain()` hands over the complete lines gathered since the last drain (the native collector can
+  also write them to a file itself, `drain_to`; this one cannot, and `agent.worker` writes the bytes).
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+import time
 
 from agent.worker import jsonlines
 
@@ -135,7 +138,8 @@ class Collector:
         self._closing = False
         self._switch_lock = threading.Lock()
         self._counters = dict.fromkeys(("records", "bytes", "buffers_requested", "buffers_declined",
-                                        "buffers_completed", "records_dropped", "records_skipped"), 0)
+                                        "buffers_completed", "records_dropped", "records_skipped",
+                                        "complete_ns", "complete_max_ns"), 0)
         self._request_fn = REQUEST_FN(self._on_request)
         self._complete_fn = COMPLETE_FN(self._on_complete)
         _KEEP_ALIVE.append((self._request_fn, self._complete_fn, self._pool))
@@ -164,6 +168,7 @@ class Collector:
             pass
 
     def _on_complete(self, buffer, size, valid_size) -> None:
+        start = time.monotonic_ns()
         if not buffer or self._closed:
             return
         if buffer not in self._owned:
@@ -196,6 +201,9 @@ class Collector:
                     c["bytes"] += len(line)
                 self._free.append(buffer)
                 c["buffers_completed"] += 1
+                spent = time.monotonic_ns() - start
+                c["complete_ns"] += spent
+                c["complete_max_ns"] = max(c["complete_max_ns"], spent)
 
     # -- API ---------------------------------------------------------------------------------------
 

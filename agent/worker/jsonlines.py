@@ -10,6 +10,13 @@ escaping on:
 * every byte that is not part of valid UTF-8 -> `\\ufffd` (one per byte, as Go's `DecodeRune` steps
   one byte on an error); valid UTF-8 is copied as it is.
 
+A string with a backslash that makes `"` + raw + `"` a valid JSON string literal (RFC 8259: UTF-8,
+no control characters, no bare `"`, only the escapes `\\" \\\\ \\/ \\b \\f \\n \\r \\t \\uXXXX`) is
+*decoded* first, as TaskD's snprintf -> `json.Unmarshal` -> `json.Marshal` round trip does: torch_npu's
+HCCL names arrive with their quotes pre-escaped (`{\\"opName\\":...}`) and are written as the JSON text
+`{"opName":...}`. `\\uXXXX` surrogate pairs make one character, a lone surrogate is U+FFFD (Go's
+rules). Any other string is escaped byte for byte; for a string without a backslash both read the same.
+
 A NULL `name`/`domain` (None here) is printed as `"NULL"`, as TaskD's `Marshal()` does.
 The native collector (`native/`) implements the same rules; the two must stay identical.
 """
@@ -39,11 +46,40 @@ def _replace(match: re.Match) -> str:
     return "\\u%04x" % code
 
 
+_LITERAL = re.compile(rb'(?:[^"\\\x00-\x1f]|\\["\\\\/bfnrt]|\\u[0-9a-fA-F]{4})*')
+_ESCAPES = re.compile(r"\\u([dD][89abAB][0-9a-fA-F]{2})\\u([dD][c-fC-F][0-9a-fA-F]{2})|\\u([0-9a-fA-F]{4})|\\(.)")
+_UNESCAPE = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+
+
+def _unescape(match: re.Match) -> str:
+    high, low, unit, char = match.groups()
+    if high is not None:
+        return chr(0x10000 + ((int(high, 16) - 0xD800) << 10) + (int(low, 16) - 0xDC00))
+    if unit is not None:
+        code = int(unit, 16)
+        return "\ufffd" if 0xD800 <= code <= 0xDFFF else chr(code)
+    return _UNESCAPE[char]
+
+
+def _decoded(raw: bytes) -> str | None:
+    """The text of the JSON string literal `"raw"` as Go's json.Unmarshal reads it, or None when
+    that is not a valid literal."""
+    if _LITERAL.fullmatch(raw) is None:
+        return None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return _ESCAPES.sub(_unescape, text)
+
+
 def escape(raw: bytes) -> bytes:
     """The content of a Go JSON string (without the quotes) for the C string `raw`."""
     if _ASCII_NEEDS.search(raw) is None:  # plain printable ASCII: the common case
         return raw
-    text = raw.decode("utf-8", "surrogateescape")
+    text = _decoded(raw) if b"\\" in raw else None
+    if text is None:
+        text = raw.decode("utf-8", "surrogateescape")
     return _NEEDS.sub(_replace, text).encode("utf-8")
 
 

@@ -1,9 +1,10 @@
 """The worker's state: a collector, the switch file, a rank writer, and the thread that ties them.
 
 Every `interval` (1 s) the background thread polls the switch file (a change, or the first valid
-read, calls `collector.set_switch`), then `collector.flush()`, `collector.drain()` and appends the
-lines to the rank's file. `stop()` (the atexit hook) ends the thread, does a last flush, drain and
-write, and closes the collector; it never raises.
+read, calls `collector.set_switch`), then `collector.flush()` and appends the waiting lines to the
+rank's file: the native collector writes them from its own buffer (`RankWriter.write_from`), the
+Python one hands them over as bytes (`drain()`, `RankWriter.write`). `stop()` (the atexit hook)
+ends the thread, does a last flush and write, and closes the collector; it never raises.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Worker:
         self.rank = rank
         self.limit_mb = limit_mb
         self.collector = collector
+        self._direct = callable(getattr(collector, "drain_to", None))  # writes its lines to a file itself
         self.root = root
         self._job = job
         self.switch_path = switch_path
@@ -102,8 +104,15 @@ class Worker:
         return self.writer
 
     def collect(self) -> None:
-        """flush, drain, write (the collector's lines, complete, in order)."""
+        """flush, then write the collector's lines (complete, in order)."""
         self.collector.flush()
+        self._write_waiting()
+
+    def _write_waiting(self) -> None:
+        if self._direct:
+            if self.collector.pending():
+                self._writer().write_from(self.collector)
+            return
         data = self.collector.drain()
         if data:
             self._writer().write(data)
@@ -151,9 +160,7 @@ class Worker:
                     log.warning("profiling worker: last write failed: %s: %s", type(exc).__name__, exc)
                 try:
                     self.collector.close()  # switches off and flushes; what that completes...
-                    data = self.collector.drain()  # ...is handed over here
-                    if data:
-                        self._writer().write(data)
+                    self._write_waiting()  # ...is handed over here
                 except Exception as exc:
                     log.warning("profiling worker: closing the collector failed: %s: %s", type(exc).__name__, exc)
         except BaseException:  # at exit, nothing may escape

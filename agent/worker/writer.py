@@ -10,6 +10,10 @@
   dropped and counted. Aging the tree is the node agent's disk guard's job, not this one.
 * A write error (read-only, ENOSPC, refused path) drops that batch, is counted, and is logged at most
   once a minute; nothing is kept for a retry, so memory never grows.
+
+`write(data)` takes the lines as bytes; `write_from(collector)` has the native collector write its
+waiting lines from its own buffer to the file (`drain_to`, no copy through Python, no GIL while
+writing), with the same cap, rotation, checks, counters and logging.
 """
 
 from __future__ import annotations
@@ -75,18 +79,52 @@ class RankWriter:
         try:
             written = self._append(data)
         except OSError as exc:
-            self._error(exc, data)
+            self._error(exc, len(data), data.count(b"\n"))
             return 0
         self.bytes_written += written
         self.records_written += data.count(b"\n")
         return written
 
+    def write_from(self, source) -> int:
+        """Append the complete lines waiting in `source` (`agent._native.Collector`: `pending`,
+        `drain_to`, `discard`), written by it straight from its buffer; returns the bytes written.
+        Exactly `write(source.drain())`, without the copy: the lines past the cap are discarded
+        (whole lines, counted), a failed write drops its batch (counted). Never raises OSError."""
+        waiting = source.pending()
+        if not waiting:
+            return 0
+        room = max(0, self.limit_bytes - self.bytes_written)
+        fit = waiting if waiting <= room else source.pending(room)  # whole lines
+        try:
+            if not fit:
+                return 0
+            try:
+                fd = self._open_target()
+            except OSError as exc:
+                self._error(exc, *source.discard(fit))
+                return 0
+            try:
+                written, lines = source.drain_to(fd, fit)
+            except OSError as exc:  # the batch is gone from the collector, as `write` drops it
+                self._error(exc, exc.size, exc.lines)
+                return 0
+            finally:
+                os.close(fd)
+            self.bytes_written += written
+            self.records_written += lines
+            return written
+        finally:
+            if fit < waiting:  # the lines of this round past the cap
+                size, lines = source.discard(waiting - fit)
+                self.bytes_dropped_limit += size
+                self.records_dropped_limit += lines
+
     # -- internals ---------------------------------------------------------------------------------
 
-    def _error(self, exc: OSError, data: bytes) -> None:
+    def _error(self, exc: OSError, size: int, lines: int) -> None:
         self.write_errors += 1
-        self.records_dropped_error += data.count(b"\n")
-        self.bytes_dropped_error += len(data)
+        self.records_dropped_error += lines
+        self.bytes_dropped_error += size
         self.last_error = f"{type(exc).__name__}: {exc}"
         now = self._monotonic()
         if self._last_log is None or now - self._last_log >= LOG_EVERY:
@@ -135,25 +173,34 @@ class RankWriter:
                 return newest
         return "%010d" % int(self._clock())
 
-    def _append(self, data: bytes) -> int:
+    def _open_target(self) -> int:
+        """The file to append to now, opened for appending (the caller closes it)."""
         dir_fd = self._open_rank_dir()
         try:
             name = self._target(dir_fd)
             flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
             try:
                 fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dir_fd)
-                os.fchmod(fd, 0o644)
-                self.files_created += 1
             except FileExistsError:
-                fd = os.open(name, flags, dir_fd=dir_fd)
+                return os.open(name, flags, dir_fd=dir_fd)
             try:
-                view = memoryview(data)
-                total = 0
-                while total < len(data):
-                    total += os.write(fd, view[total:])
-                return total
-            finally:
+                os.fchmod(fd, 0o644)
+            except OSError:
                 os.close(fd)
+                raise
+            self.files_created += 1
+            return fd
         finally:
             os.close(dir_fd)
+
+    def _append(self, data: bytes) -> int:
+        fd = self._open_target()
+        try:
+            view = memoryview(data)
+            total = 0
+            while total < len(data):
+                total += os.write(fd, view[total:])
+            return total
+        finally:
+            os.close(fd)
 

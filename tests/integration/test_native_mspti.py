@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -34,25 +37,46 @@ MARKER_KEYS = ["Kind", "Flag", "SourceKind", "Timestamp", "Id", "MsptiObjectId",
 API_KEYS = ["Kind", "Start", "End", "Pt", "CorrelationId", "Name"]
 KERNEL_KEYS = ["Kind", "Start", "End", "Ds", "CorrelationId", "Type", "Name"]
 COUNTER_KEYS = {"records", "bytes", "buffers_requested", "buffers_declined", "buffers_completed",
-                "records_dropped", "records_skipped"}
+                "records_dropped", "records_skipped", "complete_ns", "complete_max_ns"}
 TS_BASE = 1755771234000000000  # the fake's timestamps: TS_BASE + id * 1000
 
 
+JSON_LITERAL = re.compile(rb'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')
+
+
+def taskd_text(raw: bytes) -> str | None:
+    """What TaskD's json.Unmarshal makes of `"raw"` (Go replaces lone surrogates with U+FFFD), or
+    None when that is not a valid JSON string literal (RFC 8259, UTF-8)."""
+    if JSON_LITERAL.fullmatch(raw) is None:
+        return None
+    try:
+        text = json.loads(b'"' + raw + b'"')
+    except ValueError:  # not UTF-8
+        return None
+    return re.sub("[\ud800-\udfff]", "\ufffd", text)
+
+
+def go_encode(text: str) -> str:
+    """Go encoding/json (1.22+, HTML escaping) of a valid string."""
+    short = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\b": "\\b", "\f": "\\f",
+             "\u2028": "\\u2028", "\u2029": "\\u2029"}
+    return '"' + "".join(short.get(ch) or (f"\\u{ord(ch):04x}" if ch < " " or ch in "<>&" else ch)
+                         for ch in text) + '"'
+
+
 def go_string(raw: bytes | None) -> str:
-    """Go encoding/json (1.22+, HTML escaping) of a string holding these bytes; None -> "NULL"."""
+    """How a C string ends up on disk: a valid JSON literal decoded then Go-encoded (TaskD's
+    Unmarshal/Marshal round trip), anything else Go-encoded byte for byte; None -> "NULL"."""
     if raw is None:
         return '"NULL"'
+    text = taskd_text(raw)
+    if text is not None:
+        return go_encode(text)
     out, i = ['"'], 0
-    short = {0x22: '\\"', 0x5C: "\\\\", 0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t", 0x08: "\\b", 0x0C: "\\f"}
     while i < len(raw):
         c = raw[i]
         if c < 0x80:
-            if c in short:
-                out.append(short[c])
-            elif c < 0x20 or chr(c) in "<>&":
-                out.append(f"\\u{c:04x}")
-            else:
-                out.append(chr(c))
+            out.append(go_encode(chr(c))[1:-1])
             i += 1
             continue
         for n in (2, 3, 4):
@@ -60,7 +84,7 @@ def go_string(raw: bytes | None) -> str:
                 ch = raw[i:i + n].decode("utf-8")
             except UnicodeDecodeError:
                 continue
-            out.append({"\u2028": "\\u2028", "\u2029": "\\u2029"}.get(ch, ch))
+            out.append(go_encode(ch)[1:-1])
             i += n
             break
         else:
@@ -175,6 +199,26 @@ NAMES = [
     (b"0123456789<>&\"\\\xc3\xa9" * 8000)[: 100 * 1024],
 ]
 
+# Names with a backslash: decoded when `"name"` is a valid JSON string literal (TaskD's
+# Unmarshal/Marshal round trip), escaped byte for byte otherwise.
+LITERAL_NAMES = [
+    (b'{\\"opName\\":\\"hcom_allReduce_1\\"}', '"{\\"opName\\":\\"hcom_allReduce_1\\"}"'),  # torch_npu HCCL
+    (b"C:\\temp", '"C:\\temp"'),  # \t is a valid escape: a tab, written back as \t
+    (b"C:\\Users\\data", '"C:\\\\Users\\\\data"'),  # \U is not: faithful
+    (b"a\\nb", '"a\\nb"'),  # a literal backslash-n is a newline
+    (b"caf\\u00e9 \\u00E9", '"caf\u00e9 \u00e9"'),
+    (b"\\ud83d\\ude00!", '"\U0001f600!"'),  # a surrogate pair is one character
+    (b"x\\ud800y \\udc00\\ud800\\ud83d\\ude00", '"x\ufffdy \ufffd\ufffd\U0001f600"'),  # lone ones: U+FFFD
+    (b"\\u003c\\u2028\\u0000\\/\\b\\f\\r\\\\", '"\\u003c\\u2028\\u0000/\\b\\f\\r\\\\"'),
+    (b"<&> \\\"q\\\" \xc3\xa9\xe2\x80\xa9", '"\\u003c\\u0026\\u003e \\"q\\" \u00e9\\u2029"'),
+    (b'say "x\\n"', '"say \\"x\\\\n\\""'),  # a bare quote: faithful
+    (b"a\\nb\x01", '"a\\\\nb\\u0001"'),  # a control character: faithful
+    (b"a\\n\xff", '"a\\\\n\\ufffd"'),  # invalid UTF-8: faithful
+    (b"end\\", '"end\\\\"'),
+    (b"\\u12", '"\\\\u12"'),
+    (b"\\x41", '"\\\\x41"'),
+]
+
 
 def test_names_escaped_like_go_json(open_collector, lib):
     c = open_collector()
@@ -195,9 +239,26 @@ def test_names_escaped_like_go_json(open_collector, lib):
         if name is None:
             assert rec["Name"] == "NULL"
         elif b"\xff" not in name and b"\xc3 " not in name:
-            assert rec["Name"] == name.decode("utf-8")
+            assert rec["Name"] == taskd_text(name) or name.decode("utf-8")
     long_line = got.splitlines()[-1]
     assert len(long_line) > 100 * 1024
+
+
+def test_json_literal_names_are_decoded_like_taskd(open_collector, lib):
+    c = open_collector()
+    c.set_switch(True, False)
+    lib.fake_mspti_set_object_id(1, 1, 2)
+    expected = []
+    for name, encoded in LITERAL_NAMES:
+        assert go_string(name) == encoded, name  # the oracle agrees with the table
+        id_ = lib.fake_mspti_next_id()
+        lib.fake_mspti_emit(1, name, b"default", 2, 0)
+        lib.fake_mspti_wait_idle()
+        expected.append(marker_line(id_, name, b"default", 2, 0, 1, 2))
+    got = settle(c, lib)
+    assert got.splitlines(keepends=True) == expected
+    hccl = json.loads(got.splitlines()[0])["Name"]
+    assert json.loads(hccl) == {"opName": "hcom_allReduce_1"}  # what FD-OL unmarshals
 
 
 def test_byte_exact_lines(open_collector, lib):
@@ -325,6 +386,202 @@ def test_ring_full_drops_whole_records(open_collector, lib):
     assert [r["Name"] for r in parse(settle(c, lib))] == ["after"] * 5
 
 
+def emit_lines(lib, n: int, name: bytes = b"step 7") -> list[bytes]:
+    """n records with known bytes (fixed object id), one emitter at a time; their expected lines."""
+    lib.fake_mspti_set_object_id(1, 5, 6)
+    first = lib.fake_mspti_next_id()
+    lib.fake_mspti_emit(n, name, b"default", 2, 0)
+    lib.fake_mspti_wait_idle()
+    return [marker_line(first + i, name, b"default", 2, 0, 5, 6) for i in range(n)]
+
+
+def test_drain_to_writes_whole_lines_across_the_ring_wrap(open_collector, lib, tmp_path):
+    c = open_collector(buffers=4, buffer_bytes=1024, ring_bytes=4096)  # ~19 lines: wraps every few rounds
+    c.set_switch(True, False)
+    expected = []
+    with open(tmp_path / "out", "wb") as handle:
+        for round_ in range(40):
+            expected += emit_lines(lib, 1 + round_ % 7)
+            c.flush()
+            size = c.pending()
+            assert c.drain_to(handle.fileno()) == (size, 1 + round_ % 7)
+            assert c.pending() == 0
+    assert (tmp_path / "out").read_bytes() == b"".join(expected)
+    assert c.counters()["records_dropped"] == 0
+
+
+def test_drain_to_max_bytes_pending_and_discard_cut_at_line_ends(open_collector, lib, tmp_path):
+    c = open_collector()
+    c.set_switch(True, False)
+    lines = emit_lines(lib, 10)
+    n = len(lines[0])
+    assert all(len(line) == n for line in lines)
+    c.flush()
+    fd = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        assert c.pending() == 10 * n
+        assert c.pending(3 * n + 5) == 3 * n and c.pending(n - 1) == 0 and c.pending(0) == 0
+        assert c.drain_to(fd, 3 * n + 5) == (3 * n, 3)
+        assert c.drain_to(fd, n - 1) == (0, 0)  # not even one line fits: nothing taken
+        assert c.pending() == 7 * n
+        assert c.discard(2 * n + n - 1) == (2 * n, 2)
+        assert c.drain_to(fd, max_bytes=-1) == (5 * n, 5)
+        assert c.drain_to(fd) == (0, 0) and c.discard() == (0, 0)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "out").read_bytes() == b"".join(lines[:3] + lines[5:])
+
+
+def test_drain_to_errors_raise_oserror_and_drop_the_batch(open_collector, lib, tmp_path):
+    c = open_collector()
+    c.set_switch(True, False)
+    lines = emit_lines(lib, 4)
+    c.flush()
+    (tmp_path / "ro").write_bytes(b"")
+    fd = os.open(tmp_path / "ro", os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as info:
+            c.drain_to(fd)
+    finally:
+        os.close(fd)
+    assert info.value.errno == errno.EBADF
+    assert (info.value.written, info.value.size, info.value.lines) == (0, len(b"".join(lines)), 4)
+    assert c.pending() == 0  # taken either way: a failed batch is never written twice
+    emit_lines(lib, 3)
+    c.flush()
+    if os.path.exists("/dev/full"):
+        with open("/dev/full", "wb") as full, pytest.raises(OSError) as info:
+            c.drain_to(full)  # any object with fileno()
+        assert info.value.errno == errno.ENOSPC and info.value.lines == 3
+    with pytest.raises(TypeError):
+        c.drain_to("not a file")
+    with pytest.raises(ValueError):
+        c.drain_to(-1)
+
+
+def test_drain_to_partial_write_is_reported(open_collector, lib):
+    c = open_collector()
+    c.set_switch(True, False)
+    lines = emit_lines(lib, 2000)  # ~430 KB, more than the pipe holds (64 KiB)
+    c.flush()
+    r, w = os.pipe()
+    try:
+        os.set_blocking(w, False)
+        with pytest.raises(BlockingIOError) as info:
+            c.drain_to(w)
+        assert info.value.errno == errno.EAGAIN
+        assert 0 < info.value.written < info.value.size == len(b"".join(lines))
+        got = b""
+        while len(got) < info.value.written:
+            got += os.read(r, 1 << 16)
+        assert got == b"".join(lines)[: info.value.written]
+        assert c.pending() == 0
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_drain_to_survives_signals_while_blocked(open_collector, lib):
+    """A blocking write interrupted by signals (EINTR, short writes) goes on where it stopped."""
+    c = open_collector()
+    c.set_switch(True, False)
+    data = b"".join(emit_lines(lib, 2000))  # ~430 KB through a pipe that holds 64 KB
+    c.flush()
+    r, w = os.pipe()
+    result = []
+    old = signal.signal(signal.SIGUSR1, lambda *_: None)
+    try:
+        writer = threading.Thread(target=lambda: result.append(c.drain_to(w)))
+        writer.start()
+        got = bytearray()
+        while len(got) < len(data):
+            if writer.is_alive():
+                signal.pthread_kill(writer.ident, signal.SIGUSR1)
+            got += os.read(r, 4096)
+        writer.join(10)
+        assert not writer.is_alive()
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        os.close(r)
+        os.close(w)
+    assert result == [(len(data), 2000)]
+    assert bytes(got) == data
+
+
+def test_drain_to_concurrently_with_the_callbacks(open_collector, lib, tmp_path):
+    c = open_collector(buffers=8, buffer_bytes=4096, ring_bytes=64 * 1024)
+    c.set_switch(True, False)
+    for t in range(3):
+        lib.fake_mspti_emit(20000, f"step {t} <&>".encode(), b"default", 16, 0)
+    written = lines = 0
+    with open(tmp_path / "out", "wb") as handle:
+        while lib.fake_mspti_emitted() + lib.fake_mspti_dropped() < 60000:
+            size, n = c.drain_to(handle)
+            written, lines = written + size, lines + n
+        lib.fake_mspti_wait_idle()
+        c.flush()
+        size, n = c.drain_to(handle)
+        written, lines = written + size, lines + n
+    data = (tmp_path / "out").read_bytes()
+    counters = c.counters()
+    assert len(data) == written == counters["bytes"]
+    assert lines == counters["records"] == lib.fake_mspti_emitted() - counters["records_dropped"]
+    ids = [json.loads(line)["Id"] for line in data.splitlines()]
+    assert len(ids) == len(set(ids)) == lines
+
+
+def test_completion_callback_time_is_counted(open_collector, lib):
+    c = open_collector(buffers=4, buffer_bytes=4096)
+    assert c.counters()["complete_ns"] == c.counters()["complete_max_ns"] == 0
+    c.set_switch(True, False)
+    emit_lines(lib, 500)
+    c.flush()
+    counters = c.counters()
+    assert counters["buffers_completed"] >= 500 * 56 // 4096
+    assert 0 < counters["complete_max_ns"] <= counters["complete_ns"]
+    assert counters["complete_ns"] < 10 * 1e9  # nanoseconds, not something else
+
+
+def test_drain_to_after_close_writes_the_tail(open_collector, lib, tmp_path):
+    c = open_collector()
+    c.set_switch(True, False)
+    lines = emit_lines(lib, 30)
+    c.close()  # flushes: the last, partly filled buffer ends up in the leftover
+    assert c.pending() == len(b"".join(lines))
+    with open(tmp_path / "out", "wb") as handle:
+        assert c.drain_to(handle, len(lines[0]) * 10) == (len(lines[0]) * 10, 10)
+        assert c.discard(len(lines[0])) == (len(lines[0]), 1)
+        assert c.drain_to(handle) == (len(lines[0]) * 19, 19)
+    assert (tmp_path / "out").read_bytes() == b"".join(lines[:10] + lines[11:])
+    assert c.pending() == 0 and c.drain() == b""
+
+
+def test_worker_writes_straight_from_the_native_ring(open_collector, lib, tmp_path):
+    from agent.worker.runtime import Worker
+    from agent.worker.writer import FILE_LIMIT
+
+    c = open_collector()
+    (tmp_path / "switch").write_text('{"Step":"on"}')
+    rank_dir = tmp_path / "root" / "job" / "4"
+    rank_dir.mkdir(parents=True)
+    (rank_dir / "1700000000").write_bytes(b"x" * FILE_LIMIT + b"\n")  # over 10 MiB: the next write rotates
+    w = Worker(4, 1, c, root=str(tmp_path / "root"), job="job", switch_path=str(tmp_path / "switch"),
+               interval=3600, clock=lambda: 1_755_771_234)
+    w.tick()  # applies the switch
+    lines = emit_lines(lib, 6000)  # ~1.3 MB: more than the 1 MiB cap
+    w.tick()
+    emit_lines(lib, 10)  # over the cap: dropped and counted as well
+    w.stop()
+    data = (rank_dir / "1755771234").read_bytes()
+    sizes = [len(line) for line in lines]  # ids of 1 to 4 digits
+    fit = max(k for k in range(len(lines) + 1) if sum(sizes[:k]) <= 1 << 20)
+    assert data == b"".join(lines[:fit])
+    s = w.stats()
+    assert s["records_written"] == fit and s["bytes_written"] == len(data) <= 1 << 20
+    assert s["records_dropped_limit"] == 6010 - fit and s["tick_errors"] == s["write_errors"] == 0
+    assert c.pending() == 0
+
+
 def test_close_is_idempotent_and_keeps_the_tail(open_collector, lib, fake):
     c = open_collector(buffers=4, buffer_bytes=4096)
     c.set_switch(True, False)
@@ -376,6 +633,8 @@ def test_one_open_collector_and_load_errors(open_collector, fake, tmp_path):
         native.Collector(libm or "libm.so.6")
     with pytest.raises(ValueError):
         native.Collector(str(fake[0]), buffers=0)
+    with pytest.raises(ValueError, match="1 GiB"):
+        native.Collector(str(fake[0]), ring_bytes=(1 << 30) + 1)
     with pytest.raises(TypeError):
         native.Collector(str(fake[0]), 4)  # buffers is keyword-only
     native.Collector(fake[0]).close()  # os.PathLike works too

@@ -217,9 +217,10 @@ def test_comm_domain_filtered_until_enabled(fake, collectors):
     c.flush()
     parsed = records.parse(c.drain())
     assert parsed.errors == [] and len(parsed.markers) == 5
-    # The C string is written back exactly (its backslashes escaped). NB: TaskD's snprintf -> Unmarshal ->
-    # Marshal round trip removes one level of torch_npu's pre-escaping instead (taskd.md §1.4).
-    assert records.text(parsed.markers[0][records.NAME]) == b'{\\"opName\\": \\"HcclAllReduce\\"}'
+    # As TaskD's snprintf -> Unmarshal -> Marshal round trip writes it: torch_npu's pre-escaping is
+    # decoded, so the name is the JSON text that FD-OL unmarshals (taskd.md §1.4).
+    name = records.text(parsed.markers[0][records.NAME])
+    assert name == b'{"opName": "HcclAllReduce"}' and json.loads(name) == {"opName": "HcclAllReduce"}
 
 
 def test_close_flushes_and_next_drain_returns_the_rest(fake, collectors):
@@ -432,7 +433,11 @@ def test_native_and_python_collectors_write_the_same_bytes(lib_path, tmp_path):
     except ImportError:
         pytest.skip("the native extension is not built")
     names = [b"step 1", b'quote " back \\ <&>', "\u2028\u00e9\u65e5".encode(), b"\xff\xe2\x82 \xed\xa0\x80 bad",
-             b"ctl \x01\x1f\t\n\r\b\f\x7f", b"\xf0\x9f\x98\x80 \xf4\x90\x80\x80", b""]
+             b"ctl \x01\x1f\t\n\r\b\f\x7f", b"\xf0\x9f\x98\x80 \xf4\x90\x80\x80", b"",
+             # backslashes: valid JSON literals are decoded (TaskD's round trip), the others kept as they are
+             b'{\\"opName\\":\\"hcom_allReduce_1\\",\\"groupName\\":\\"10.0.0.1%eth0_60000\\"}',
+             b"C:\\temp", b"C:\\Users\\data", b"a\\nb", b"caf\\u00e9 \\u00E9 \\u003c\\u2028\\/",
+             b"\\ud83d\\ude00 \\ud800 \\udc00\\ud800\\ud83d\\ude00", b"a\\n\xff", b'q"\\n', b"end\\", b"\\u12x"]
     emit = [(name, "default", 3) for name in names] + [(b"hccl", "communication", 2)]
     outputs = {}
     for impl in ("python", "native"):
@@ -445,3 +450,7 @@ def test_native_and_python_collectors_write_the_same_bytes(lib_path, tmp_path):
         outputs[impl] = read_rank(base / "profiling", "j", 0)[1]
     assert outputs["python"].count(b"\n") == 3 * len(names) + 2
     assert outputs["python"] == outputs["native"]
+    by_name = {json.loads(line)["Name"] for line in outputs["native"].splitlines()}
+    assert '{"opName":"hcom_allReduce_1","groupName":"10.0.0.1%eth0_60000"}' in by_name
+    assert {"C:\temp", "C:\\Users\\data", "a\nb", "caf\u00e9 \u00e9 <\u2028/", "\U0001f600 \ufffd \ufffd\ufffd\U0001f600",
+            "a\\n\ufffd", 'q"\\n', "end\\", "\\u12x"} <= by_name

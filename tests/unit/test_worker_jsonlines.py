@@ -15,8 +15,10 @@ from agent.worker.jsonlines import api_line, escape, kernel_line, marker_line, q
     (b"step 120", b"step 120"),
     (b"forward", b"forward"),
     (b'a"b', b'a\\"b'),
-    (b"a\\b", b"a\\\\b"),
-    (b'\\"', b'\\\\\\"'),  # an already escaped quote (torch_npu's HCCL names) is escaped again
+    (b"a\\b", b"a\\b"),  # \b is a valid JSON escape: decoded (a backspace) and written back as \b
+    (b"a\\c", b"a\\\\c"),  # \c is not: the backslash is escaped
+    (b'\\"', b'\\"'),  # an already escaped quote (torch_npu's HCCL names) is decoded, then encoded again
+    (b'\\" "', b'\\\\\\" \\"'),  # ...unless the string is no JSON literal (a bare quote): escaped as it is
     (b"\n\r\t\b\f", b"\\n\\r\\t\\b\\f"),
     (b"\x00\x01\x1f", b"\\u0000\\u0001\\u001f"),
     (b"\x0b\x0e\x1a\x1b", b"\\u000b\\u000e\\u001a\\u001b"),  # lowercase hex
@@ -98,10 +100,43 @@ def test_marker_line_negative_int32_flag():
 
 
 def test_marker_line_hccl_name_with_escaped_quotes():
+    """torch_npu's pre-escaped HCCL name comes out as TaskD writes it: the JSON text FD-OL unmarshals."""
     name = b'{\\"opName\\": \\"HcclAllReduce\\",\\"count\\": \\"4\\"}'
     line = marker_line(2, 0, 5, 7, 1, 2, name, b"communication")
-    assert b'"Name":"{\\\\\\"opName\\\\\\": \\\\\\"HcclAllReduce\\\\\\",\\\\\\"count\\\\\\": \\\\\\"4\\\\\\"}",' in line
-    assert json.loads(line)["Name"] == name.decode()
+    assert b'"Name":"{\\"opName\\": \\"HcclAllReduce\\",\\"count\\": \\"4\\"}",' in line
+    assert json.loads(json.loads(line)["Name"]) == {"opName": "HcclAllReduce", "count": "4"}
+
+
+@pytest.mark.parametrize("raw, expected", [
+    (b'{\\"opName\\":\\"hcom_allReduce_1\\"}', b'{\\"opName\\":\\"hcom_allReduce_1\\"}'),
+    (b"C:\\temp", b"C:\\temp"),  # \t is a valid escape: decoded to a tab, which Go writes as \t
+    (b"C:\\Users\\data", b"C:\\\\Users\\\\data"),  # \U is not: the bytes as they are
+    (b"a\\nb", b"a\\nb"),  # backslash-n decodes to a newline
+    (b"caf\\u00e9", "café".encode()),
+    (b"\\u00E9\\u00e9", "éé".encode()),  # upper- or lowercase hex
+    (b"\\ud83d\\ude00", "😀".encode()),  # a surrogate pair
+    (b"\\ud800", "\ufffd".encode()),  # lone surrogates: U+FFFD, written as it is (valid UTF-8)
+    (b"\\udc00\\ud800x", "\ufffd\ufffdx".encode()),
+    (b"\\ud800\\ud83d\\ude00", "\ufffd😀".encode()),  # a high one not followed by a low one stands alone
+    (b"\\u003c\\u0026\\u0000\\u001f\\u2028", b"\\u003c\\u0026\\u0000\\u001f\\u2028"),  # re-encoded by Go's rules
+    (b"\\/\\b\\f\\r\\t\\\\", b"/\\b\\f\\r\\t\\\\"),
+    (b"\\u0041<", b"A\\u003c"),
+    ("é\\n".encode(), "é\\n".encode()),
+    (b"\\x", b"\\\\x"),  # invalid escape
+    (b"\\u12g4", b"\\\\u12g4"),
+    (b"\\u12", b"\\\\u12"),
+    (b"end\\", b"end\\\\"),  # a trailing backslash
+    (b"a\\n\tb", b"a\\\\n\\tb"),  # a raw control character: no JSON literal
+    (b"a\\n\xff", b"a\\\\n\\ufffd"),  # invalid UTF-8: no JSON literal
+    (b'"\\n', b'\\"\\\\n'),  # a bare quote: no JSON literal
+])
+def test_json_literal_names_are_decoded_like_taskd(raw, expected):
+    assert escape(raw) == expected
+    text = json.loads(b'"' + escape(raw) + b'"')
+    try:
+        assert text == json.loads(b'"' + raw + b'"').encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    except ValueError:  # not a literal: the bytes themselves come back
+        assert text == raw.decode("utf-8", "replace")
 
 
 def test_marker_lines_parse_with_the_agents_reader():

@@ -123,6 +123,57 @@ def test_tick_writes_drained_lines(tmp_path):
     assert s["records_written"] == 2 and s["records"] == 7 and s["rank_dir"].endswith("/job/2")
 
 
+class DirectCollector(FakeCollector):
+    """Like the native collector: it writes its waiting lines to a file itself (drain_to)."""
+
+    def __init__(self):  # no `pending` attribute: here it is the method
+        self.calls, self.fail, self.waiting = [], set(), b""
+
+    def drain(self):
+        raise AssertionError("the lines must not be copied through Python")
+
+    def close(self):
+        self._maybe_fail("close")
+        self.waiting += b"after-close\n"
+
+    def _take(self, max_bytes, remove):
+        n = len(self.waiting) if max_bytes < 0 else self.waiting.rfind(b"\n", 0, max_bytes + 1) + 1
+        taken = self.waiting[:n]
+        if remove:
+            self.waiting = self.waiting[n:]
+        return taken
+
+    def pending(self, max_bytes=-1):
+        return len(self._take(max_bytes, False))
+
+    def discard(self, max_bytes=-1):
+        taken = self._take(max_bytes, True)
+        return len(taken), taken.count(b"\n")
+
+    def drain_to(self, fd, max_bytes=-1):
+        self.calls.append("drain_to")
+        taken = self._take(max_bytes, True)
+        os.write(fd, taken)
+        return len(taken), taken.count(b"\n")
+
+
+def test_a_collector_that_writes_itself_is_used_without_a_copy(tmp_path):
+    names = iter(["job"])
+    c = DirectCollector()
+    w = Worker(2, 5000, c, root=str(tmp_path / "root"), job=lambda: next(names), switch_path=str(tmp_path / "s"),
+               interval=3600, clock=lambda: 1_755_771_234)
+    w.tick()  # nothing waiting: no writer, no job name asked for
+    assert c.calls == ["flush"] and w.writer is None
+    c.waiting = b"a\nb\n"
+    w.tick()
+    assert c.calls == ["flush", "flush", "drain_to"]
+    w.start()
+    c.waiting = b"last\n"
+    w.stop()  # the last round, then what close() hands over
+    assert (tmp_path / "root" / "job" / "2" / "1755771234").read_bytes() == b"a\nb\nlast\nafter-close\n"
+    assert w.stats()["records_written"] == 4 and w.tick_errors == 0
+
+
 def test_the_job_callable_is_resolved_once_at_the_first_write(tmp_path):
     names = iter(["first", "second"])
     c = FakeCollector()

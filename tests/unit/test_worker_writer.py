@@ -99,12 +99,17 @@ def test_rotation_by_own_writes_and_same_second_reuse(tmp_path):
     assert (rank_dir / "1755771001").read_bytes() == b"y\n"
 
 
-def test_symlinked_rank_dir_is_refused(tmp_path):
+def symlinked_rank_dir(tmp_path):
+    """<tmp>/root/job/2 -> <tmp>/elsewhere; returns a writer for rank 2 and the target."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (tmp_path / "root" / "job").mkdir(parents=True)
     (tmp_path / "root" / "job" / "2").symlink_to(elsewhere)
-    w = RankWriter(str(tmp_path / "root"), "job", 2, 5000, clock=Clock())
+    return RankWriter(str(tmp_path / "root"), "job", 2, 5000, clock=Clock()), elsewhere
+
+
+def test_symlinked_rank_dir_is_refused(tmp_path):
+    w, elsewhere = symlinked_rank_dir(tmp_path)
     assert w.write(b"a\nb\n") == 0
     assert os.listdir(elsewhere) == []
     s = w.stats()
@@ -238,3 +243,129 @@ def test_empty_write_is_a_no_op(tmp_path):
 def test_file_names_are_ten_digits(tmp_path):
     assert writer_mod._NAME.match("1755771234")
     assert not writer_mod._NAME.match("175577123")
+
+
+# -- write_from: the native collector writes its lines itself --------------------------------------
+
+class LinesSource:
+    """The consumer side of agent._native.Collector (pending, drain_to, discard) over bytes: whole
+    lines only, taken either way, OSError carrying written/size/lines (tests/integration checks the
+    real one)."""
+
+    def __init__(self, data: bytes = b"") -> None:
+        self.data = data
+
+    def _cut(self, max_bytes: int) -> int:
+        if max_bytes < 0 or max_bytes >= len(self.data):
+            return len(self.data)
+        return self.data.rfind(b"\n", 0, max_bytes) + 1
+
+    def pending(self, max_bytes: int = -1) -> int:
+        return self._cut(max_bytes)
+
+    def discard(self, max_bytes: int = -1) -> tuple[int, int]:
+        n = self._cut(max_bytes)
+        taken, self.data = self.data[:n], self.data[n:]
+        return n, taken.count(b"\n")
+
+    def drain_to(self, fd: int, max_bytes: int = -1) -> tuple[int, int]:
+        n = self._cut(max_bytes)
+        taken, self.data = self.data[:n], self.data[n:]
+        written = 0
+        try:
+            while written < n:
+                written += os.write(fd, taken[written:])
+        except OSError as exc:
+            exc.written, exc.size, exc.lines = written, n, taken.count(b"\n")
+            raise
+        return n, taken.count(b"\n")
+
+
+def feed(w: RankWriter, data: bytes, direct: bool) -> int:
+    if not direct:
+        return w.write(data)
+    source = LinesSource(data)
+    written = w.write_from(source)
+    assert source.data == b""  # every line of the round is written or dropped, none left behind
+    return written
+
+
+def run_both(tmp_path, limit_mb: int, steps, prepare=None) -> dict:
+    """The same rounds through write() and write_from(): files and stats of each."""
+    results = {}
+    for direct in (False, True):
+        root = tmp_path / ("direct" if direct else "bytes")
+        if prepare is not None:
+            prepare(root)
+        clock = Clock(1_755_771_000)
+        w = RankWriter(str(root), "job", 0, limit_mb, clock=clock)
+        returned = []
+        for step in steps:
+            if step == "next second":
+                clock.now += 1
+            else:
+                returned.append(feed(w, step, direct))
+        rank_dir = root / "job" / "0"
+        files = {p.name: p.read_bytes() for p in sorted(rank_dir.iterdir())} if rank_dir.is_dir() else None
+        results[direct] = (returned, w.stats(), files)
+    return results
+
+
+@pytest.mark.parametrize("limit_mb, steps", [
+    (1, [lines(10000, 100), lines(1000, 100), b"a\n", lines(1, 200), b"b\n" * 40, lines(3, 10)]),  # the cap
+    (0, [b"a\nb\n", b"c\n"]),
+    (5000, [lines(1024 * 11, 1024), b"z\n", "next second", b"y\n", b"", lines(5, 7)]),  # rotation past 10 MiB
+    (5000, [b"x\n" * 3, "next second", b"\n\n", b"last\n"]),
+])
+def test_write_from_is_write_without_the_copy(tmp_path, limit_mb, steps):
+    results = run_both(tmp_path, limit_mb, steps)
+    assert results[True] == results[False]
+
+
+def test_write_from_rotates_and_appends_like_write(tmp_path):
+    def prepare(root):
+        rank_dir = root / "job" / "0"
+        rank_dir.mkdir(parents=True)
+        (rank_dir / "1700000000").write_bytes(b"x" * (FILE_LIMIT - 1) + b"\n")  # exactly 10 MiB
+        (rank_dir / "parallel_group.json").write_bytes(b"{}")
+
+    results = run_both(tmp_path, 5000, [b"a\n", b"b\n", b"c\n"], prepare)
+    assert results[True] == results[False]
+    files = results[True][2]
+    assert sorted(files) == ["1700000000", "1755771000", "parallel_group.json"]
+    assert files["1755771000"] == b"b\nc\n"
+
+
+def test_write_from_refuses_a_symlinked_rank_dir_and_drops_the_batch(tmp_path):
+    w, elsewhere = symlinked_rank_dir(tmp_path)
+    source = LinesSource(b"a\nb\n")
+    assert w.write_from(source) == 0 and source.data == b""
+    assert os.listdir(elsewhere) == []
+    s = w.stats()
+    assert s["write_errors"] == 1 and s["records_dropped_error"] == 2 and s["bytes_dropped_error"] == 4
+    assert "symlink" in s["last_error"]
+
+
+def test_write_from_counts_a_failed_write_and_goes_on(tmp_path, monkeypatch, caplog):
+    w = RankWriter(str(tmp_path), "job", 0, 1, clock=Clock())  # 1 MiB
+
+    def erofs(fd, data):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(writer_mod.os, "write", erofs)
+    with caplog.at_level("WARNING", logger="agent.worker"):
+        assert w.write_from(LinesSource(b"a\nb\n" + lines(20000, 100))) == 0
+    monkeypatch.undo()
+    s = w.stats()
+    # what fits under the cap is the failed batch; the rest of the round is over the cap
+    assert s["write_errors"] == 1 and s["records_dropped_error"] == 2 + 10485 and "Read-only" in s["last_error"]
+    assert s["records_dropped_limit"] == 20000 - 10485
+    assert len(caplog.records) == 1
+    assert w.write_from(LinesSource(b"c\n")) == 2
+    assert (tmp_path / "job" / "0" / "1755771234").read_bytes() == b"c\n"
+
+
+def test_write_from_with_nothing_waiting_touches_nothing(tmp_path):
+    w = RankWriter(str(tmp_path), "job", 0, 5000, clock=Clock())
+    assert w.write_from(LinesSource()) == 0
+    assert not (tmp_path / "job").exists()
