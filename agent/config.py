@@ -80,6 +80,9 @@ class KubernetesConfig:
     enabled: bool = False
     device_info_configmap: bool = False
     watch_timeout_seconds: int = 300  # the server ends each watch after this; it is then resumed
+    # The kubelet's PodResources API: which pod holds which NPU ("" = no attribution). Needs no API server.
+    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    pod_resources_refresh_seconds: float = 10.0
 
 
 @dataclass
@@ -278,6 +281,8 @@ def validate(config: Config) -> list[str]:
           "needs kubernetes.enabled")
     check(1 <= config.kubernetes.watch_timeout_seconds <= 3600, "kubernetes.watch_timeout_seconds",
           f"{config.kubernetes.watch_timeout_seconds} is out of range 1..3600")
+    check(0.5 <= config.kubernetes.pod_resources_refresh_seconds <= 3600, "kubernetes.pod_resources_refresh_seconds",
+          f"{config.kubernetes.pod_resources_refresh_seconds} is out of range 0.5..3600")
     check(not config.kubernetes.device_info_configmap or config.kubernetes.enabled,
           "kubernetes.device_info_configmap", "needs kubernetes.enabled")
     return problems

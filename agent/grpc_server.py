@@ -26,16 +26,17 @@ SERVER_OPTIONS = [
 class GrpcServer:
     name = "grpc"
 
-    def __init__(self, listen: str, hub: FaultHub):
+    def __init__(self, listen: str, hub: FaultHub, pods=lambda phy: ()):
         self._listen = listen
         self._hub = hub
+        self._pods = pods
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self.port = 0
 
     async def start(self) -> None:
         server = grpc.aio.server(options=SERVER_OPTIONS)
-        service = stream.add_to_server(server, self._hub)
+        service = stream.add_to_server(server, self._hub, self._pods)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             [service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)

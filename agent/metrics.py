@@ -17,11 +17,15 @@ from agent.faults.hub import FaultHub
 from agent.faults.log import FaultLog
 from agent.faults.service import FaultService
 
+POD_LABELS = ("namespace", "pod_name", "container_name")  # npu-exporter's names; empty when the NPU is free
+
 
 class AgentCollector:
     def __init__(self, node: str, monitor: DeviceMonitor, faults: FaultService, hub: FaultHub, fault_log: FaultLog,
-                 sinks: list, components: Callable[[], list[tuple[str, bool]]]):
+                 sinks: list, components: Callable[[], list[tuple[str, bool]]],
+                 pods: Callable[[int], tuple] = lambda phy: ()):
         self._node = node
+        self._pods = pods
         self._log = fault_log
         self._sinks = sinks
         self._monitor = monitor
@@ -39,18 +43,21 @@ class AgentCollector:
 
         health = GaugeMetricFamily("npu_chip_info_health_status",
                                    "NPU health from the driver: 1 healthy, 0 unhealthy, -1 unknown (the driver did not answer)",
-                                   labels=["node", "id", "model_name"])
+                                   labels=["node", "id", "model_name", *POD_LABELS])
         fault = GaugeMetricFamily("npu_agent_device_fault", "1 for each active fault code, with the code's own level",
-                                  labels=["node", "id", "fault_code", "fault_level"])
+                                  labels=["node", "id", "fault_code", "fault_level", *POD_LABELS])
         level = GaugeMetricFamily("npu_agent_device_fault_level",
                                   "Rank of the device's worst fault level: NormalNPU 0 .. ManuallySeparateNPU 9",
-                                  labels=["node", "id"])
+                                  labels=["node", "id", *POD_LABELS])
         for state in states:
             device = str(state.phy_id)
-            health.add_metric([node, device, models.get(state.phy_id, "")], int(state.health))
-            level.add_metric([node, device], int(state.level))
-            for code in state.codes:
-                fault.add_metric([node, device, code.text, code.level.name], 1)
+            # One series per container holding the NPU (empty pod labels when it is free).
+            for pod in self._pods(state.phy_id) or (None,):
+                owner = [pod.namespace, pod.pod, pod.container] if pod else ["", "", ""]
+                health.add_metric([node, device, models.get(state.phy_id, ""), *owner], int(state.health))
+                level.add_metric([node, device, *owner], int(state.level))
+                for code in state.codes:
+                    fault.add_metric([node, device, code.text, code.level.name, *owner], 1)
         yield health
         yield fault
         yield level

@@ -23,6 +23,7 @@ from agent.faults.service import FaultService
 from agent.grpc_server import GrpcServer
 from agent.http import HttpEndpoint
 from agent.kube.client import core_api
+from agent.kube.podresources import PodAttribution
 from agent.metrics import AgentCollector, make_registry
 from agent.profiling.datatrace_sync import DatatraceSync
 from agent.profiling.disk import DiskGuard
@@ -112,7 +113,13 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
     monitor = DeviceMonitor(backend or make_backend(config, clock), faults,
                             poll_interval_s=config.devices.poll_interval_seconds,
                             call_timeout_s=config.devices.call_timeout_seconds, clock=clock)
-    grpc_server = GrpcServer(config.grpc.listen, hub)
+    attribution = None
+    if config.kubernetes.pod_resources_socket:
+        attribution = PodAttribution(config.kubernetes.pod_resources_socket,
+                                     config.kubernetes.pod_resources_refresh_seconds)
+        faults.listeners.append(attribution.refresh_soon)
+    pods_of = attribution.pods_of if attribution else (lambda phy: ())
+    grpc_server = GrpcServer(config.grpc.listen, hub, pods_of)
     sinks = []
     if config.clusterd.enabled:
         clusterd = ClusterdSink(config.clusterd, config.node_name, fault_log, clock)
@@ -125,7 +132,7 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
         sinks.append(configmap)
     supervisor = Supervisor([])
     collectors = [AgentCollector(config.node_name, monitor, faults, hub, fault_log, sinks,
-                                 lambda: [(name, ok) for name, ok, _ in supervisor.states()])]
+                                 lambda: [(name, ok) for name, ok, _ in supervisor.states()], pods_of)]
     profiling = []
     if config.profiling.disk_guard:
         guard = DiskGuard(Path(config.profiling.root), config.profiling.disk_limit_mb * MIB)
@@ -157,5 +164,7 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
     http = HttpEndpoint(config.http.listen, make_registry(*collectors), supervisor.readiness)
     # Servers first, so /readyz and the stream answer while the driver is still being opened;
     # sinks before the sources that feed them.
-    supervisor.components = [http, *servers, *sinks, faults, monitor, *profiling]
+    # Attribution first: the first snapshot on the stream already names the pods.
+    supervisor.components = [*([attribution] if attribution else []), http, *servers, *sinks, faults, monitor,
+                             *profiling]
     return Agent(config, supervisor, hub, fault_log, faults, monitor, http, grpc_server, sinks, profiling)

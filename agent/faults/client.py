@@ -18,14 +18,17 @@ def device_json(node: str, device: pb.DeviceFaults) -> dict:
     return {"node": node, "device": device.device, "logic_id": device.logic_id,
             "codes": [c.code for c in device.codes], "level": device.level, "since_ms": device.since_ms,
             "revision": device.revision, "health": device.health,
-            "escalated": {c.code: c.escalated_by for c in device.codes if c.escalated_by}}
+            "escalated": {c.code: c.escalated_by for c in device.codes if c.escalated_by},
+            "pods": [{"namespace": p.namespace, "pod": p.name, "container": p.container} for p in device.pods]}
 
 
 def device_line(device: pb.DeviceFaults) -> str:
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(device.since_ms / 1000)) if device.since_ms else "-"
     codes = ", ".join(f"{c.code} {c.level}" + (f" ({c.escalated_by})" if c.escalated_by else "") for c in device.codes)
     health = {1: "healthy", 0: "unhealthy", -1: "unknown"}.get(device.health, str(device.health))
-    return f"{device.device:>6} {device.logic_id:>5}  {device.level:<20} {health:<9} {since:<19}  {codes or '-'}"
+    pods = "; ".join(f"{p.namespace}/{p.name}" for p in device.pods)
+    return (f"{device.device:>6} {device.logic_id:>5}  {device.level:<20} {health:<9} {since:<19}  {codes or '-'}"
+            + (f"  [pod {pods}]" if pods else ""))
 
 
 HEADER = f"{'DEVICE':>6} {'LOGIC':>5}  {'LEVEL':<20} {'HEALTH':<9} {'SINCE':<19}  CODES"

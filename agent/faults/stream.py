@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import grpc
 
@@ -14,12 +15,15 @@ from agent.faults.hub import Change, FaultHub, Snapshot
 
 log = logging.getLogger(__name__)
 
+PodsOf = Callable[[int], tuple]  # physical id -> the PodRefs holding it (agent.kube.podresources)
+
 DEFAULT_KEEPALIVE_S = 15.0
 SERVICE_NAME = "npuagent.v1.NodeFaults"
 
 
-def device_message(state: DeviceState, revision: int) -> pb.DeviceFaults:
+def device_message(state: DeviceState, revision: int, pods: PodsOf = lambda phy: ()) -> pb.DeviceFaults:
     return pb.DeviceFaults(
+        pods=[pb.Pod(namespace=p.namespace, name=p.pod, container=p.container) for p in pods(state.phy_id)],
         revision=revision, device=state.phy_id, logic_id=state.logic_id, level=state.level.name, since_ms=state.since_ms,
         health=int(state.health),
         codes=[pb.ActiveCode(code=c.text, level=c.level.name, since_ms=c.since_ms,
@@ -28,12 +32,13 @@ def device_message(state: DeviceState, revision: int) -> pb.DeviceFaults:
 
 
 class NodeFaultsServicer(pb_grpc.NodeFaultsServicer):
-    def __init__(self, hub: FaultHub):
+    def __init__(self, hub: FaultHub, pods: PodsOf):
         self._hub = hub
+        self._pods = pods
 
     def _snapshot_message(self, snapshot: Snapshot) -> pb.FaultSnapshot:
         return pb.FaultSnapshot(node=self._hub.node, epoch=self._hub.epoch, revision=snapshot.revision,
-                                devices=[device_message(c.state, c.revision) for c in snapshot.devices])
+                                devices=[device_message(c.state, c.revision, self._pods) for c in snapshot.devices])
 
     async def GetFaults(self, request, context):
         return self._snapshot_message(self._hub.snapshot())
@@ -62,9 +67,9 @@ class NodeFaultsServicer(pb_grpc.NodeFaultsServicer):
 
     def _change_message(self, change: Change) -> pb.DeviceChange:
         return pb.DeviceChange(node=self._hub.node, epoch=self._hub.epoch, revision=change.revision,
-                               device=device_message(change.state, change.revision))
+                               device=device_message(change.state, change.revision, self._pods))
 
 
-def add_to_server(server: grpc.aio.Server, hub: FaultHub) -> str:
-    pb_grpc.add_NodeFaultsServicer_to_server(NodeFaultsServicer(hub), server)
+def add_to_server(server: grpc.aio.Server, hub: FaultHub, pods: PodsOf = lambda phy: ()) -> str:
+    pb_grpc.add_NodeFaultsServicer_to_server(NodeFaultsServicer(hub, pods), server)
     return SERVICE_NAME
