@@ -112,9 +112,9 @@ class AgentProcess:
             for sample in family.samples:
                 labels = dict(sample.labels)
                 assert labels.pop("node", None) == "test-node", f"{sample.name} lacks the node label"
-                for key in ("namespace", "pod_name", "container_name"):  # empty on a free NPU: match without them
-                    if labels.get(key) == "":
-                        del labels[key]
+                if "pod_name" in labels and labels["pod_name"] == "":  # a free NPU: match without its pod labels
+                    for key in ("namespace", "pod_name", "container_name"):
+                        labels.pop(key, None)
                 samples[(sample.name, frozenset(labels.items()))] = sample.value
         return samples
 
