@@ -10,6 +10,7 @@ from grpc_reflection.v1alpha import reflection
 
 from agent.faults import stream
 from agent.faults.hub import FaultHub
+from agent.kube.podresources import no_pods
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ SERVER_OPTIONS = [
 class GrpcServer:
     name = "grpc"
 
-    def __init__(self, listen: str, hub: FaultHub, pods=lambda phy: ()):
+    def __init__(self, listen: str, hub: FaultHub, pods=no_pods):
         self._listen = listen
         self._hub = hub
         self._pods = pods

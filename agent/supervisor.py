@@ -23,7 +23,7 @@ from agent.faults.service import FaultService
 from agent.grpc_server import GrpcServer
 from agent.http import HttpEndpoint
 from agent.kube.client import core_api
-from agent.kube.podresources import PodAttribution
+from agent.kube.podresources import PodAttribution, no_pods
 from agent.metrics import AgentCollector, make_registry
 from agent.profiling.datatrace_sync import DatatraceSync
 from agent.profiling.disk import DiskGuard
@@ -118,7 +118,7 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
         attribution = PodAttribution(config.kubernetes.pod_resources_socket,
                                      config.kubernetes.pod_resources_refresh_seconds)
         faults.listeners.append(attribution.refresh_soon)
-    pods_of = attribution.pods_of if attribution else (lambda phy: ())
+    pods_of = attribution.pods_of if attribution else no_pods
     grpc_server = GrpcServer(config.grpc.listen, hub, pods_of)
     sinks = []
     if config.clusterd.enabled:

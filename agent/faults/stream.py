@@ -12,6 +12,7 @@ from agent._proto import npu_agent_faults_pb2 as pb
 from agent._proto import npu_agent_faults_pb2_grpc as pb_grpc
 from agent.faults.engine import DeviceState
 from agent.faults.hub import Change, FaultHub, Snapshot
+from agent.kube.podresources import no_pods
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +22,7 @@ DEFAULT_KEEPALIVE_S = 15.0
 SERVICE_NAME = "npuagent.v1.NodeFaults"
 
 
-def device_message(state: DeviceState, revision: int, pods: PodsOf = lambda phy: ()) -> pb.DeviceFaults:
+def device_message(state: DeviceState, revision: int, pods: PodsOf = no_pods) -> pb.DeviceFaults:
     return pb.DeviceFaults(
         pods=[pb.Pod(namespace=p.namespace, name=p.pod, container=p.container) for p in pods(state.phy_id)],
         revision=revision, device=state.phy_id, logic_id=state.logic_id, level=state.level.name, since_ms=state.since_ms,
@@ -70,6 +71,6 @@ class NodeFaultsServicer(pb_grpc.NodeFaultsServicer):
                                device=device_message(change.state, change.revision, self._pods))
 
 
-def add_to_server(server: grpc.aio.Server, hub: FaultHub, pods: PodsOf = lambda phy: ()) -> str:
+def add_to_server(server: grpc.aio.Server, hub: FaultHub, pods: PodsOf = no_pods) -> str:
     pb_grpc.add_NodeFaultsServicer_to_server(NodeFaultsServicer(hub, pods), server)
     return SERVICE_NAME

@@ -34,6 +34,11 @@ class PodRef:
     container: str
 
 
+def no_pods(phy_id: int) -> tuple[PodRef, ...]:
+    """The lookup when attribution is off."""
+    return ()
+
+
 def phy_id_of(resource: str, device_id: str) -> int | None:
     """The physical NPU id a device plugin id names; None for other resources or unknown forms."""
     if not resource.startswith(RESOURCE_PREFIX):

@@ -312,11 +312,9 @@ class TaskdProxy(pb_grpc.TaskNetServicer):
         rank = server_rank if server_rank.isdigit() else "0"
         # TaskD's proxy position: the node rank, and its start time as the process rank.
         me = Position("Proxy", rank, str(int(time.time())))
-        holder: list[Job] = []
-        link = ManagerLink(name, manager, me, on_message=lambda m: self._from_manager(holder[0], m),
+        link = ManagerLink(name, manager, me, on_message=lambda m: self._from_manager(job, m),
                            **self._link_options)
         job = Job(name, manager, RouteTable(me), link, idle_since=self._clock())
-        holder.append(job)
         self.jobs[name] = job
         link.start()
         log.info("TaskD job seen on this node; connecting to its manager", extra={

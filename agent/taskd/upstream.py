@@ -61,11 +61,8 @@ class Held:
 
 @dataclass
 class LinkCounters:
-    connects: int = 0
-    failures: int = 0
-    held_delivered: int = 0
-    expired: int = 0
-    overflowed: int = 0
+    connects: int = 0  # links established (registration and path replay done)
+    held_delivered: int = 0  # messages delivered after waiting for the manager
 
 
 class ManagerLink:
@@ -142,7 +139,6 @@ class ManagerLink:
 
     async def _hold(self, message: pb.Message) -> pb.Ack:
         if len(self.held) >= self._limit:
-            self.counters.overflowed += 1
             raise NotDelivered(Code.RECV_BUF_BUSY, f"{len(self.held)} messages already wait for the manager "
                                                    f"{self.address} of job {self.job}")
         entry = Held(message, asyncio.get_running_loop().create_future())
@@ -153,7 +149,6 @@ class ManagerLink:
             if entry.sending:  # on the wire right now: its outcome is the answer
                 return await entry.future
             self._drop(entry)
-            self.counters.expired += 1
             raise NotDelivered(Code.NETWORK_SEND_LOST, f"the manager {self.address} of job {self.job} was "
                                                        f"unreachable for {self._hold_s:g} s") from None
         except asyncio.CancelledError:
@@ -218,7 +213,6 @@ class ManagerLink:
                 was_up, backoff = True, BACKOFF_MIN_S
                 await self._listen()
             except (grpc.aio.AioRpcError, asyncio.TimeoutError, LinkDown) as exc:
-                self.counters.failures += 1
                 reason = self._down_reason or _describe(exc)
                 if was_up:
                     log.warning("TaskD manager unreachable; holding messages for it", extra={

@@ -4,6 +4,7 @@ separate process with its own environment, two jobs on one node with the same po
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -198,7 +199,7 @@ def test_bad_input_gets_taskd_codes_and_strangers_are_refused(node):
               "stub = g.TaskNetStub(grpc.insecure_channel(sys.argv[1]))\n"
               "try:\n    stub.Register(pb.RegisterReq(uuid='x', pos=pb.Position(role='Worker', serverRank='0',"
               " processRank='0')), timeout=10)\nexcept grpc.RpcError as e:\n    print(e.code().name, e.details())\n")
-    env = {k: v for k, v in __import__("os").environ.items() if k != "MINDX_TASK_ID"}
+    env = {k: v for k, v in os.environ.items() if k != "MINDX_TASK_ID"}
     out = subprocess.run([sys.executable, "-c", script, n.proxy], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=30)
     assert out.stdout.startswith("PERMISSION_DENIED") and "no MINDX_TASK_ID" in out.stdout, out
