@@ -20,6 +20,7 @@ import yaml
 from agent.config import config_from_dict, load_config
 from agent.demo_clusterd import DemoClusterd
 from agent.demo_job import DemoJob, disk_summary
+from agent.demo_kubelet import NAMESPACE, DemoKubelet
 from agent.faults.hub import Change, Snapshot
 from agent.profiling.disk import DiskGuard
 from agent.profiling.records import RankKey
@@ -67,7 +68,7 @@ def _free(host: str, port: int) -> bool:
             return False
 
 
-def write_demo_files(workdir: Path, clusterd_port: int = 0) -> Path:
+def write_demo_files(workdir: Path, clusterd_port: int = 0, kubelet_socket: Path | None = None) -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "scenario.yaml").write_text(yaml.safe_dump(SCENARIO, sort_keys=False))
     (workdir / "customization.json").write_text(json.dumps(CUSTOMIZATION, indent=2))
@@ -87,9 +88,15 @@ def write_demo_files(workdir: Path, clusterd_port: int = 0) -> Path:
     }
     if clusterd_port:
         config["clusterd"] = {"enabled": True, "address": f"127.0.0.1:{clusterd_port}"}
+    # Which pod holds which NPU, from the demo kubelet (no API server is needed for this).
+    config["kubernetes"] = {"pod_resources_socket": str(kubelet_socket or ""), "pod_resources_refresh_seconds": 5}
     path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def _pods(refs) -> str:
+    return " ".join(f"[pod {p.namespace}/{p.pod}]" for p in refs)
 
 
 def _summary(states) -> str:
@@ -125,7 +132,9 @@ def run_demo(duration: float, workdir: str | None, slow_after: float = 60.0) -> 
         tasks: list[asyncio.Task] = []
         clusterd = DemoClusterd(set(config_from_dict({}).clusterd.public_codes.values()), say)
         await clusterd.start()
-        config_path = write_demo_files(root, clusterd.port)
+        kubelet = DemoKubelet(root, devices=8)
+        await kubelet.start()
+        config_path = write_demo_files(root, clusterd.port, kubelet.socket_path)
         config = load_config(str(config_path), environ={})
 
         def on_started(agent) -> None:
@@ -135,6 +144,9 @@ def run_demo(duration: float, workdir: str | None, slow_after: float = 60.0) -> 
                   f"  readiness:    http://127.0.0.1:{http}/readyz\n"
                   f"  fault stream: npu-node-agent faults --target 127.0.0.1:{grpc_port} --follow\n"
                   f"  ClusterD:     a demo ClusterD on 127.0.0.1:{clusterd.port} prints the public faults it receives\n"
+                  f"  pods:         a demo kubelet ({kubelet.socket_path}) says "
+                  f"{', '.join(f'{NAMESPACE}/{pod} holds NPU{ids[0]}-{ids[-1]}' for pod, ids in kubelet.pods.items())}\n"
+                  f"                (labels namespace, pod_name, container_name on the device series; pods on the stream)\n"
                   f"  training:     a simulated job (16 ranks, 4 pipeline stages, 4 steps/s) writes profiling records under\n"
                   f"                {root / 'profiling'}; rank 5 gets 15 % slower after {slow_after:g} s\n"
                   f"                (training_step_duration_seconds, training_rank_slow, training_rank_slowdown_ratio, ...);\n"
@@ -190,8 +202,8 @@ def run_demo(duration: float, workdir: str | None, slow_after: float = 60.0) -> 
                     codes = ", ".join(f"{c.text} {c.level.name}" + (f" by {c.escalated_by}" if c.escalated_by else "")
                                       for c in s.codes) or "-"
                     health = {1: "healthy", 0: "unhealthy", -1: "unknown"}[int(s.health)]
-                    print(f"[{elapsed:5.1f}s] rev {item.revision:<3} NPU{s.phy_id} {health:<9} {s.level.name:<19} {codes}",
-                          flush=True)
+                    print(f"[{elapsed:5.1f}s] rev {item.revision:<3} NPU{s.phy_id} {health:<9} {s.level.name:<19} {codes}"
+                          f" {_pods(agent.pods_of(s.phy_id))}".rstrip(), flush=True)
                 if tty and (item is None or isinstance(item, (Change, Snapshot))):
                     line = f"[{elapsed:5.1f}s] rev {agent.hub.revision} {_summary(agent.faults.engine.states())}"
                     print("\r" + line[:160].ljust(160), end="", flush=True)
@@ -205,6 +217,7 @@ def run_demo(duration: float, workdir: str | None, slow_after: float = 60.0) -> 
             for task in tasks:
                 task.cancel()
             await clusterd.stop()
+            await kubelet.stop()
         if tty:
             print()
         return code

@@ -41,6 +41,9 @@ class DemoClusterd(pb_grpc.PubFaultServicer):
         for fault in request.faults:
             dropped = fault_problems(fault, self._known)
             devices = ",".join(str(d) for info in fault.influence for d in info.deviceIds)
-            verdict = f"DROPPED ({'; '.join(dropped)})" if dropped else fault.faultLocation.get("level", "")
+            where = fault.faultLocation
+            verdict = f"DROPPED ({'; '.join(dropped)})" if dropped else where.get("level", "")
+            if "pod" in where and not dropped:
+                verdict += f" pod {where['namespace']}/{where['pod']}"
             self._report(f"ClusterD <- {fault.assertion:<7} {fault.faultCode} NPU{devices} {verdict}")
         return pb.RespStatus(code=0, info="public fault send successfully")

@@ -10,7 +10,7 @@ from grpc_reflection.v1alpha import reflection
 
 from agent.faults import stream
 from agent.faults.hub import FaultHub
-from agent.kube.podresources import no_pods
+from agent.kube.podresources import PodsOf, no_pods
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ SERVER_OPTIONS = [
 class GrpcServer:
     name = "grpc"
 
-    def __init__(self, listen: str, hub: FaultHub, pods=no_pods):
+    def __init__(self, listen: str, hub: FaultHub, pods: PodsOf = no_pods):
         self._listen = listen
         self._hub = hub
         self._pods = pods

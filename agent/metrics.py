@@ -16,7 +16,7 @@ from agent.devices.monitor import DeviceMonitor
 from agent.faults.hub import FaultHub
 from agent.faults.log import FaultLog
 from agent.faults.service import FaultService
-from agent.kube.podresources import no_pods
+from agent.kube.podresources import PodsOf, no_pods
 
 POD_LABELS = ("namespace", "pod_name", "container_name")  # npu-exporter's names; empty when the NPU is free
 
@@ -24,7 +24,7 @@ POD_LABELS = ("namespace", "pod_name", "container_name")  # npu-exporter's names
 class AgentCollector:
     def __init__(self, node: str, monitor: DeviceMonitor, faults: FaultService, hub: FaultHub, fault_log: FaultLog,
                  sinks: list, components: Callable[[], list[tuple[str, bool]]],
-                 pods: Callable[[int], tuple] = no_pods):
+                 pods: PodsOf = no_pods):
         self._node = node
         self._pods = pods
         self._log = fault_log

@@ -23,7 +23,7 @@ from agent.faults.service import FaultService
 from agent.grpc_server import GrpcServer
 from agent.http import HttpEndpoint
 from agent.kube.client import core_api
-from agent.kube.podresources import PodAttribution, no_pods
+from agent.kube.podresources import PodAttribution, PodsOf, no_pods
 from agent.metrics import AgentCollector, make_registry
 from agent.profiling.datatrace_sync import DatatraceSync
 from agent.profiling.disk import DiskGuard
@@ -91,6 +91,7 @@ class Agent:
     grpc: GrpcServer
     sinks: list
     profiling: list
+    pods_of: PodsOf  # physical id -> the containers holding the NPU (empty without attribution)
 
 
 def make_backend(config: Config, clock: Callable[[], float] = time.time) -> DeviceBackend:
@@ -122,7 +123,7 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
     grpc_server = GrpcServer(config.grpc.listen, hub, pods_of)
     sinks = []
     if config.clusterd.enabled:
-        clusterd = ClusterdSink(config.clusterd, config.node_name, fault_log, clock)
+        clusterd = ClusterdSink(config.clusterd, config.node_name, fault_log, clock, pods_of)
         faults.listeners.append(clusterd.notify)
         sinks.append(clusterd)
     if config.kubernetes.enabled and config.kubernetes.device_info_configmap:
@@ -167,4 +168,4 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
     # Attribution first: the first snapshot on the stream already names the pods.
     supervisor.components = [*([attribution] if attribution else []), http, *servers, *sinks, faults, monitor,
                              *profiling]
-    return Agent(config, supervisor, hub, fault_log, faults, monitor, http, grpc_server, sinks, profiling)
+    return Agent(config, supervisor, hub, fault_log, faults, monitor, http, grpc_server, sinks, profiling, pods_of)

@@ -30,6 +30,7 @@ from agent.faults.hub import Change
 from agent.faults.log import FaultLog
 from agent.faults.pubfault import (MAX_FAULTS_PER_REQUEST, PublicFault, fault_problems, public_faults,
                                    request_problems, to_message)
+from agent.kube.podresources import PodsOf, no_pods
 from agent.ratelimit import TokenBucket
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,9 @@ class ClusterdSink:
     name = SINK
 
     def __init__(self, config: ClusterdConfig, node: str, fault_log: FaultLog,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, pods_of: PodsOf = no_pods):
         self._config = config
+        self._pods_of = pods_of  # who holds an NPU when its fault is sent (kubelet attribution)
         self._node = node
         self._log = fault_log
         self._clock = clock
@@ -192,7 +194,7 @@ class ClusterdSink:
     async def _send_until_done(self, batch: list[tuple[str, PublicFault]]) -> None:
         faults = []
         for assertion, fault in batch:
-            message = to_message(self._node, assertion, fault)
+            message = to_message(self._node, assertion, fault, self._pods_of(fault.device))
             problems = fault_problems(message, frozenset(self._config.public_codes.values()))
             if problems:
                 self.counters["invalid"] += 1

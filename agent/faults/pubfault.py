@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from agent._proto import pubfault_pb2 as pb
 from agent.faults.engine import DeviceState
+from agent.kube.podresources import PodRef
 
 MIN_TIME_MS = 1735689600000  # ClusterD refuses times before 2025-01-01
 MAX_FAULTS_PER_REQUEST = 100
@@ -44,13 +45,30 @@ def public_faults(node: str, state: DeviceState, public_codes: dict[str, str]) -
     return {fault.fault_id: fault}
 
 
-def to_message(node: str, assertion: str, fault: PublicFault) -> pb.Fault:
-    description = f"npu-node-agent: NPU {fault.device} {fault.level} ({fault.codes or 'no code'})"[:512]
+def to_message(node: str, assertion: str, fault: PublicFault, pods: tuple[PodRef, ...] = ()) -> pb.Fault:
+    """The wire fault. `pods` hold the NPU now: the first one goes into `faultLocation` (ClusterD keeps
+    at most 10 entries of up to 128 bytes), all of them into the description (up to 512 characters)."""
+    hits = ", ".join(f"{p.namespace}/{p.pod} (container {p.container})" for p in pods)
+    description = _clip(f"npu-node-agent: NPU {fault.device} {fault.level} ({fault.codes or 'no code'})"
+                        + (f"; pods: {hits}" if hits else ""), 512)
+    location = {"device": str(fault.device), "level": _clip(fault.level, 128), "codes": _clip(fault.codes, 128)}
+    if pods:
+        location.update(namespace=_clip(pods[0].namespace, 128), pod=_clip(pods[0].pod, 128),
+                        container=_clip(pods[0].container, 128), pods=str(len(pods)))
     return pb.Fault(
         faultId=fault.fault_id, faultType="NPU", faultCode=fault.code, faultTime=fault.time_ms, assertion=assertion,
-        faultLocation={"device": str(fault.device), "level": fault.level[:128], "codes": fault.codes[:128]},
-        influence=[pb.PubFaultInfo(nodeName=node, deviceIds=[fault.device])],
+        faultLocation=location, influence=[pb.PubFaultInfo(nodeName=node, deviceIds=[fault.device])],
         description=description)
+
+
+def _clip(text: str, limit: int) -> str:
+    """At most `limit` bytes (which is also at most `limit` characters), cut on a character boundary,
+    with tabs and line breaks (which ClusterD refuses in a description) turned into spaces."""
+    text = re.sub(r"\s", " ", text)
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    return data[:limit - 3].decode(errors="ignore") + "..."
 
 
 def _time_ok(value: int) -> bool:

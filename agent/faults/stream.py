@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
 
 import grpc
 
@@ -12,11 +11,9 @@ from agent._proto import npu_agent_faults_pb2 as pb
 from agent._proto import npu_agent_faults_pb2_grpc as pb_grpc
 from agent.faults.engine import DeviceState
 from agent.faults.hub import Change, FaultHub, Snapshot
-from agent.kube.podresources import no_pods
+from agent.kube.podresources import PodsOf, no_pods
 
 log = logging.getLogger(__name__)
-
-PodsOf = Callable[[int], tuple]  # physical id -> the PodRefs holding it (agent.kube.podresources)
 
 DEFAULT_KEEPALIVE_S = 15.0
 SERVICE_NAME = "npuagent.v1.NodeFaults"

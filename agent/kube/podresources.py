@@ -14,6 +14,7 @@ import os
 import re
 from collections import Counter
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 
@@ -32,6 +33,9 @@ class PodRef:
     namespace: str
     pod: str
     container: str
+
+
+PodsOf = Callable[[int], tuple[PodRef, ...]]  # physical id -> the containers holding it now
 
 
 def no_pods(phy_id: int) -> tuple[PodRef, ...]:

@@ -135,7 +135,9 @@ def test_demo_shows_faults_appearing_escalating_and_clearing(tmp_path):
     assert "80E18005 ManuallySeparateNPU by FaultFrequency" in out  # escalating by frequency
     assert "81078603 PreSeparateNPU by FaultDuration" in out  # escalating by duration
     assert "NPU3 healthy   NormalNPU" in out  # clearing (found and cleared by polling)
-    assert "ClusterD <- occur   020011001 NPU1 SeparateNPU" in out  # delivered to the demo ClusterD
+    assert "ClusterD <- occur   020011001 NPU1 SeparateNPU pod demo/demo-job-worker-0" in out  # with its pod
+    assert "80E18402 SeparateNPU [pod demo/demo-job-worker-0]" in out  # fault changes name the pod
+    assert "NPU6 unhealthy" in out and "[pod demo/demo-job-worker-1]" in out  # the demo kubelet's other pod
     assert "ClusterD <- recover 020011001 NPU1 SeparateNPU" in out
     assert "DROPPED" not in out
     assert "disk guard: over 1 MiB -> aged " in out  # the simulated job's records

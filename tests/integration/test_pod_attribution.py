@@ -72,3 +72,26 @@ def test_device_series_and_faults_name_the_pod_holding_the_npu(start_agent, shor
         wait_until(lambda: agent.metric("npu_agent_device_fault_level", id=phy(2), **train) == 8, 10,
                    "attribution back once the kubelet answers")
     agent.wait_for_log("pod attribution restored")
+
+
+def test_the_clusterd_request_names_the_pods_within_clusterds_limits(start_agent, short_dir):
+    from tests.fakes.clusterd import ClusterdStandIn
+
+    kubelet = PodResourcesStandIn(short_dir / "kubelet.sock")
+    long_name = "w" * 253  # the longest pod name: more than a faultLocation value or, twice, a description holds
+    kubelet.set_pods(("team-a", "train-0", "main", RESOURCE, [f"Ascend910-{phy(3)}"]),
+                     *[("team-a", long_name[:-1] + str(i), "side", RESOURCE, [f"Ascend910-{phy(3)}"]) for i in (1, 2)])
+    with kubelet, ClusterdStandIn() as clusterd:
+        agent, fake = start_agent(clusterd={"enabled": True, "address": f"127.0.0.1:{clusterd.port}"},
+                                  kubernetes={"pod_resources_socket": str(kubelet.socket_path)})
+        wait_until(lambda: health(agent, 3, **owner("team-a", "train-0", "main")) == 1, 5, "pods known")
+        fake.occur(3, 0x80E18402, severity=3)
+        clusterd.wait_for(lambda s: s.active(), timeout=5)
+        fault = next(iter(clusterd.active().values())).fault
+        assert clusterd.dropped_faults() == []  # within ClusterD's rules, as its stand-in checks them
+        location = dict(fault.faultLocation)
+        assert (location["namespace"], location["pod"], location["container"], location["pods"]) == \
+            ("team-a", "train-0", "main", "3")
+        assert fault.description.startswith("npu-node-agent: NPU %d SeparateNPU (80E18402); pods: "
+                                            "team-a/train-0 (container main), team-a/www" % phy(3))
+        assert len(fault.description) == 512 and fault.description.endswith("...")

@@ -147,3 +147,19 @@ def test_a_recover_cancelling_an_occur_deferred_for_a_previous_run_is_still_sent
     after = plan(step.view, 1, log.after(1), wanted_of, now=101.0)
     assert names(after.transitions) == ["recover fault-1"] and after.coalesced == 0
     assert not after.view.deferred and not after.view.held
+
+
+def test_the_wire_fault_names_its_pods_within_clusterds_limits():
+    from agent.faults.pubfault import fault_problems, to_message
+    from agent.kube.podresources import PodRef
+
+    fault = PublicFault("f" * 64, "020011001", 1_760_000_000_000, 3, "SeparateNPU", "80E18402")
+    assert "pod" not in to_message(NODE, "occur", fault).faultLocation  # a free NPU names nobody
+    pods = tuple(PodRef("ns", f"pod-{i}-" + "x" * 240, "c\tmain") for i in range(40))
+    message = to_message(NODE, "occur", fault, pods)
+    assert fault_problems(message, frozenset({"020011001"})) == []
+    assert message.faultLocation["pod"].startswith("pod-0-x") and len(message.faultLocation["pod"]) == 128
+    assert message.faultLocation["container"] == "c main" and message.faultLocation["pods"] == "40"
+    assert len(message.description) == 512 and "\t" not in message.description
+    lone = to_message(NODE, "occur", fault, (PodRef("team-é", "train-0", "main"),))
+    assert lone.description.endswith("; pods: team-é/train-0 (container main)")
