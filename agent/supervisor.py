@@ -24,14 +24,16 @@ from agent.grpc_server import GrpcServer
 from agent.http import HttpEndpoint
 from agent.kube.client import core_api
 from agent.kube.podresources import PodAttribution, PodsOf, no_pods
+from agent.kube.pods import NodePods
 from agent.metrics import AgentCollector, make_registry
 from agent.profiling.datatrace_sync import DatatraceSync
 from agent.profiling.disk import DiskGuard
-from agent.profiling.jobs import JobDirectory
+from agent.kube.jobs import JobDirectory
 from agent.profiling.metrics import DatatraceCollector, DiskGuardCollector, StepCollector
 from agent.profiling.step_metrics import StepMetrics
 from agent.profiling.tail import ProfilingTailer
 from agent.taskd.metrics import TaskdProxyCollector
+from agent.taskd.peers import PeerResolver
 from agent.taskd.proxy import TaskdProxy
 
 log = logging.getLogger(__name__)
@@ -135,22 +137,23 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
     collectors = [AgentCollector(config.node_name, monitor, faults, hub, fault_log, sinks,
                                  lambda: [(name, ok) for name, ok, _ in supervisor.states()], pods_of)]
     profiling = []
+    # One watch of this node's pods for whoever needs them (job labels, datatrace); started first.
+    node_pods = NodePods(config.node_name, core_api, config.kubernetes.watch_timeout_seconds)
+    jobs = None  # pod -> job, for the step metrics' labels and the TaskD proxy's peer check
+    if config.kubernetes.enabled and (config.profiling.metrics or config.taskd_proxy.enabled):
+        jobs = JobDirectory(node_pods)
     if config.profiling.disk_guard:
         guard = DiskGuard(Path(config.profiling.root), config.profiling.disk_limit_mb * MIB)
         collectors.append(DiskGuardCollector(config.node_name, guard))
         profiling.append(guard)
     if config.profiling.metrics:
-        jobs = None
-        if config.kubernetes.enabled:
-            jobs = JobDirectory(config.node_name, core_api, config.kubernetes.watch_timeout_seconds)
-            profiling.append(jobs)
         steps = StepMetrics(Path(config.state_dir) / "steps.json", job_labels=jobs.labels if jobs else None)
         tailer = ProfilingTailer(Path(config.profiling.root), Path(config.state_dir) / "profiling-offsets.json", steps)
         steps.commit = tailer.commit
         collectors.append(StepCollector(config.node_name, steps))
         profiling += [steps, tailer]  # the tailer stops first and hands its last lines over
     if config.datatrace.enabled:
-        datatrace = DatatraceSync(Path(config.datatrace.root), config.node_name, core_api,
+        datatrace = DatatraceSync(Path(config.datatrace.root), config.node_name, core_api, node_pods,
                                   config.kubernetes.watch_timeout_seconds)
         collectors.append(DatatraceCollector(config.node_name, datatrace))
         profiling.append(datatrace)
@@ -159,13 +162,15 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
         proxy_config = config.taskd_proxy
         proxy = TaskdProxy(proxy_config.listen, proxy_config.manager_port,
                            dial_timeout_s=proxy_config.dial_timeout_seconds, hold_s=proxy_config.hold_seconds,
-                           queue_limit=proxy_config.queue_limit)
+                           queue_limit=proxy_config.queue_limit, resolver=PeerResolver(jobs=jobs))
         collectors.append(TaskdProxyCollector(config.node_name, proxy))
         servers.append(proxy)
     http = HttpEndpoint(config.http.listen, make_registry(*collectors), supervisor.readiness)
     # Servers first, so /readyz and the stream answer while the driver is still being opened;
     # sinks before the sources that feed them.
     # Attribution first: the first snapshot on the stream already names the pods.
+    if node_pods.subscribed:
+        profiling.insert(0, node_pods)
     supervisor.components = [*([attribution] if attribution else []), http, *servers, *sinks, faults, monitor,
                              *profiling]
     return Agent(config, supervisor, hub, fault_log, faults, monitor, http, grpc_server, sinks, profiling, pods_of)

@@ -13,7 +13,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
-JOB_LABELS = ("volcano.sh/job-name", "training.kubeflow.org/job-name", "deploy-name")  # first present wins
+from agent.kube.jobs import job_of
+
 SWITCH_KEY = "profilingSwitch"
 CONFIGMAP_PREFIX = "data-trace-"
 DATATRACE_MOUNT = "/user/cluster-info/datatrace-config"  # where training containers see their directory
@@ -75,13 +76,6 @@ def parse_directory_name(name: str) -> tuple[str, str] | None:
         return None
     job = rest[len(CONFIGMAP_PREFIX):]
     return (namespace, job) if directory_name(namespace, job) == name else None
-
-
-def job_of(labels: dict[str, str]) -> str | None:
-    for key in JOB_LABELS:
-        if labels.get(key):
-            return labels[key]
-    return None
 
 
 def switch_problem(value: bytes) -> str | None:

@@ -1,4 +1,5 @@
-"""The datatrace component: pods on this node + `data-trace-*` ConfigMaps -> switch files.
+"""The datatrace component: pods on this node (the shared pod watch) + `data-trace-*` ConfigMaps ->
+switch files.
 
 Level-triggered: every change of either watch recomputes the whole desired state (a handful of
 jobs per node) and one writer pass makes the disk match it. Directories of jobs without a local
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from agent.kube.client import KubeUnavailable
+from agent.kube.pods import NodePods
 from agent.kube.watch import ListWatch
 from agent.profiling.datatrace import PodInfo, SwitchConfigMap, desired, pod_info, switch_configmap
 from agent.profiling.switchfiles import ApplyResult, SwitchFiles
@@ -26,9 +28,12 @@ CONFIGMAP_SELECTOR = "reset=true"
 class DatatraceSync:
     name = "datatrace"
 
-    def __init__(self, root: Path, node: str, api_factory: Callable[[], object], watch_timeout_s: int = 300):
+    def __init__(self, root: Path, node: str, api_factory: Callable[[], object], pods: NodePods,
+                 watch_timeout_s: int = 300):
         self._files = SwitchFiles(root)
         self._node = node
+        self._node_pods = pods
+        pods.subscribe(pod_info, self._pods_changed)
         self._api_factory = api_factory
         self._watch_timeout_s = watch_timeout_s
         self._pods: dict[tuple[str, str], PodInfo] = {}
@@ -48,7 +53,7 @@ class DatatraceSync:
 
     @property
     def watch_counters(self) -> dict[str, Counter[str]]:
-        return {w.name: w.counters for w in self._watches}
+        return {"pods": self._node_pods.counters, **{w.name: w.counters for w in self._watches}}
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -58,9 +63,7 @@ class DatatraceSync:
             self._unavailable = str(exc)
             log.error("datatrace sync cannot reach Kubernetes; switch files are not kept", extra={"error": str(exc)})
             return
-        self._watches = [
-            ListWatch("pods", api.list_pod_for_all_namespaces, pod_info, self._pods_changed, loop,
-                      timeout_s=self._watch_timeout_s, field_selector=f"spec.nodeName={self._node}"),
+        self._watches = [  # the pods come from the shared pod watch
             ListWatch("configmaps", api.list_config_map_for_all_namespaces, switch_configmap,
                       self._configmaps_changed, loop, timeout_s=self._watch_timeout_s,
                       label_selector=CONFIGMAP_SELECTOR),
@@ -83,7 +86,7 @@ class DatatraceSync:
     def readiness(self) -> tuple[bool, str]:
         if self._unavailable:
             return False, self._unavailable
-        waiting = [w.name for w in self._watches if not w.synced]
+        waiting = [w.name for w in self._watches if not w.synced] + ([] if self._node_pods.synced else ["pods"])
         return (False, f"waiting for the first list of {', '.join(waiting)}") if waiting else (True, "")
 
     def _pods_changed(self, pods: dict) -> None:
@@ -104,6 +107,6 @@ class DatatraceSync:
                     self.rejected["switch" if what.startswith("configmap") else "name"] += 1
                     log.error("profiling switch not flushed", extra={"object": what, "reason": why})
             self._rejected_seen = set(want.rejected)
-            synced = all(w.synced for w in self._watches)
+            synced = self._node_pods.synced and all(w.synced for w in self._watches)
             self.last = await asyncio.to_thread(self._files.apply, want.directories, synced)
             self.passes += 1

@@ -4,6 +4,8 @@ The peer address gRPC reports is looked up in the kernel's socket table (this ne
 hostNetwork training pods), the socket's inode in the processes' descriptor tables (hostPID), and
 the owning process's environment gives the job: `MINDX_TASK_ID`, and the manager's host the way
 TaskD's launcher picks it (`MASTER_ADDR`, `MS_SCHED_HOST`, `LOCAL_PROXY_ENABLE=on` → loopback).
+With Kubernetes, the process's pod (the pod UID in its cgroup path) must be a pod of that job on
+this node, so a process cannot speak for another job by setting the variable.
 """
 
 from __future__ import annotations
@@ -14,8 +16,13 @@ import socket
 import struct
 from dataclasses import dataclass
 
+from agent.kube.jobs import JobDirectory
+
 TASK_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,252}")
 ENVIRON_LIMIT = 1 << 20
+# The kubelet names a pod's cgroup after its UID: .../pod<uid>/... (cgroupfs) or
+# ...-pod<uid with underscores>.slice/... (systemd).
+POD_UID_RE = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +63,20 @@ def _socket_keys(host: str, port: int) -> list[tuple[str, str]]:
     return keys
 
 
+def pod_uid(proc: str, pid: int) -> str | None:
+    """The UID of the Kubernetes pod the process runs in, None outside pods."""
+    try:
+        with open(f"{proc}/{pid}/cgroup", encoding="utf-8", errors="replace") as f:
+            match = POD_UID_RE.search(f.read(65536))
+    except OSError:
+        return None
+    return match.group(1).replace("_", "-") if match else None
+
+
 class PeerResolver:
-    def __init__(self, proc: str = "/proc"):
+    def __init__(self, proc: str = "/proc", jobs: JobDirectory | None = None):
         self._proc = proc
+        self._jobs = jobs  # with Kubernetes: the job of each pod on this node
         # (host, port) -> (pid, fd name, socket link, peer): checked with one readlink per call, so a
         # port reused by another process after the first connection closed is resolved afresh.
         self._known: dict[tuple[str, int], tuple[int, str, str, Peer]] = {}
@@ -162,11 +180,27 @@ class PeerResolver:
             raise PeerRefused(f"pid {pid} ({command}) has no MINDX_TASK_ID: not a process of a training job")
         if not TASK_ID_RE.fullmatch(job):
             raise PeerRefused(f"pid {pid} ({command}): MINDX_TASK_ID {job[:80]!r} is not a valid job id")
+        if self._jobs is not None:
+            self._check_pod(pid, command, job)
         if env.get("LOCAL_PROXY_ENABLE") == "on":
             host = "127.0.0.1"
         else:
             host = env.get("MASTER_ADDR") or env.get("MS_SCHED_HOST") or "127.0.0.1"
         return Peer(pid, job, host, env.get("RANK", ""), command)
+
+    def _check_pod(self, pid: int, command: str, job: str) -> None:
+        uid = pod_uid(self._proc, pid)
+        if uid is None:
+            raise PeerRefused(f"pid {pid} ({command}) is not in a Kubernetes pod (no pod UID in its cgroup)")
+        if not self._jobs.synced:
+            raise PeerRefused(f"pid {pid} ({command}): this node's pods are not listed yet")
+        ref = self._jobs.job_of_pod(uid)
+        if ref is None:
+            raise PeerRefused(f"pid {pid} ({command}) runs in pod {uid}, which is not a pod of a training job "
+                              "on this node")
+        if ref.job_id != job:
+            raise PeerRefused(f"pid {pid} ({command}) says MINDX_TASK_ID={job} but its pod {uid} belongs to job "
+                              f"{ref.job_id} ({ref.namespace}/{ref.job_name})")
 
 
 def _command(proc: str, pid: int) -> str:

@@ -82,3 +82,30 @@ def kube(tmp_path):
             "users": [{"name": "test", "user": {}}],
             "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}]}))
         yield standin, str(kubeconfig)
+
+
+@pytest.fixture
+def pod_cgroup():
+    """make(uid): a real cgroup whose path names the pod UID the way the kubelet names it."""
+    made: list[Path] = []
+
+    def make(uid: str) -> Path:
+        for hierarchy in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup/unified", "/sys/fs/cgroup"):
+            path = Path(hierarchy) / "npu-agent-test-kubepods" / f"pod{uid}"
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError:
+                continue
+            if (path / "cgroup.procs").exists():
+                made.append(path)
+                return path
+        pytest.skip("no cgroup hierarchy can be written here (needs root and a writable /sys/fs/cgroup), "
+                    "so no process can be put into a pod's cgroup")
+
+    yield make
+    for path in made:
+        for directory in (path, path.parent):
+            try:
+                directory.rmdir()
+            except OSError:
+                pass

@@ -115,6 +115,7 @@ def test_series_carry_the_namespace_and_job_name_of_the_local_pods(start_agent, 
         {"apiVersion": "batch.volcano.sh/v1alpha1", "kind": "Job", "name": "gpt", "uid": "uid-gpt",
          "controller": True}]}, "spec": {"nodeName": "test-node", "containers": [{"name": "t", "image": "t:1"}]}})
     agent, _ = start_agent(kubernetes={"enabled": True}, profiling={"root": str(root)},
+                           datatrace={"enabled": True, "root": str(tmp_path / "datatrace")},
                            env={"KUBECONFIG": kubeconfig})
     writer = Writer(root)
     other = DemoJob(root, job_id="uid-gpt", ranks=2, stages=1, step_s=STEP_S, started=1.8e9)
@@ -128,3 +129,6 @@ def test_series_carry_the_namespace_and_job_name_of_the_local_pods(start_agent, 
     wait_until(lambda: agent.metric("training_steps_completed_total", namespace="team-b", job_name="gpt",
                                     job_id="uid-gpt", rank=1, pp_stage=0) == 1, 10, "gpt's step with its labels")
     assert agent.metric("training_node_slow", namespace="team-a", job_name="llama", job_id=JOB, reason="ranks") == 0
+    # Job labels and datatrace share one list and one watch of this node's pods.
+    pod_calls = [path for method, path in standin.requests if method == "GET" and path.startswith("/api/v1/pods")]
+    assert [("watch=true" in path) for path in pod_calls] == [False, True], pod_calls

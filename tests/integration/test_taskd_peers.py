@@ -8,8 +8,12 @@ import socket
 import subprocess
 import sys
 
-import pytest
+from pathlib import Path
 
+import pytest
+from kubernetes import client
+
+from agent.kube.jobs import JobDirectory
 from agent.taskd.peers import PeerRefused, PeerResolver, parse_peer
 
 HOLD = "import socket, sys; s = socket.create_connection(('127.0.0.1', int(sys.argv[1]))); sys.stdin.read()"
@@ -23,11 +27,13 @@ def listener():
         yield server
 
 
-def connect(listener, env: dict):
-    """A child process with `env` connected to `listener`: (process, the child's address as gRPC names it)."""
+def connect(listener, env: dict, cgroup: Path | None = None):
+    """A child process with `env` (in `cgroup`) connected to `listener`: (process, the child's address as gRPC
+    names it)."""
     clean = {k: v for k, v in os.environ.items() if k not in ("MINDX_TASK_ID", "MASTER_ADDR", "MS_SCHED_HOST")}
+    join = (lambda: (cgroup / "cgroup.procs").write_text("0")) if cgroup else None
     child = subprocess.Popen([sys.executable, "-c", HOLD, str(listener.getsockname()[1])], env={**clean, **env},
-                             stdin=subprocess.PIPE)
+                             stdin=subprocess.PIPE, preexec_fn=join)
     listener.settimeout(20)
     conn, (host, port) = listener.accept()
     return child, conn, f"ipv4:{host}:{port}"
@@ -80,3 +86,71 @@ def test_addresses_that_are_not_local_tcp_connections():
     assert parse_peer("ipv6:[::1]:9602") == ("::1", 9602)
     with pytest.raises(PeerRefused, match="hostNetwork"):
         PeerResolver().resolve("ipv4:127.0.0.1:1")  # nothing connected from there
+
+
+class PodList:
+    """In place of the shared pod watch: hands the real JobDirectory the pods a test lists."""
+
+    def __init__(self):
+        self.synced = False
+        self._subscribers = []
+
+    def subscribe(self, convert, on_change) -> None:
+        self._subscribers.append((convert, on_change))
+
+    def set(self, *pods: client.V1Pod) -> None:
+        self.synced = True
+        for convert, on_change in self._subscribers:
+            on_change({(p.metadata.namespace, p.metadata.name): convert(p) for p in pods if convert(p)})
+
+
+def pod(uid: str, job: str) -> client.V1Pod:
+    return client.V1Pod(metadata=client.V1ObjectMeta(namespace="team-a", name=f"{job}-0", uid=uid,
+                                                     labels={"volcano.sh/job-name": job}),
+                        spec=client.V1PodSpec(containers=[client.V1Container(
+                            name="train", env=[client.V1EnvVar(name="MINDX_TASK_ID", value=job)])]))
+
+
+UID_A, UID_B, UID_GONE = (f"{n}1234abc-0000-4111-8222-333344445555" for n in "abc")
+
+
+def test_with_kubernetes_the_process_pod_must_belong_to_the_job_it_claims(listener, pod_cgroup):
+    pods = PodList()
+    resolver = PeerResolver(jobs=JobDirectory(pods))
+    cases = [  # (cgroup of, claimed job, refusal or None)
+        (UID_A, "job-a", "pods are not listed yet"),
+        (UID_A, "job-a", None),
+        (UID_B, "job-a", f"belongs to job job-b \\(team-a/job-b\\)"),
+        (UID_GONE, "job-a", "not a pod of a training job"),
+        (None, "job-a", "not in a Kubernetes pod"),
+    ]
+    for index, (uid, job, refusal) in enumerate(cases):
+        if index == 1:
+            pods.set(pod(UID_A, "job-a"), pod(UID_B, "job-b"))
+        child, conn, peer = connect(listener, {"MINDX_TASK_ID": job}, pod_cgroup(uid) if uid else None)
+        try:
+            if refusal is None:
+                assert resolver.resolve(peer).job == job
+            else:
+                with pytest.raises(PeerRefused, match=refusal):
+                    resolver.resolve(peer)
+        finally:
+            child.stdin.close()
+            child.wait(10)
+            conn.close()
+
+
+def test_the_pod_uid_is_read_from_cgroupfs_and_systemd_cgroup_paths(tmp_path):
+    from agent.taskd.peers import pod_uid
+
+    lines = {
+        1: "0::/kubepods/burstable/pod1234abcd-0000-4111-8222-333344445555/0123456789ab\n",
+        2: "12:pids:/kubepods.slice/kubepods-besteffort.slice/"
+           "kubepods-besteffort-pod1234abcd_0000_4111_8222_333344445555.slice/cri-containerd-0a.scope\n",
+        3: "0::/system.slice/sshd.service\n",
+    }
+    for pid, text in lines.items():
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cgroup").write_text(text)
+    assert pod_uid(str(tmp_path), 1) == pod_uid(str(tmp_path), 2) == "1234abcd-0000-4111-8222-333344445555"
+    assert pod_uid(str(tmp_path), 3) is None and pod_uid(str(tmp_path), 4) is None

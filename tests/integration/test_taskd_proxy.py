@@ -20,12 +20,14 @@ RANKS = range(4)
 class Node:
     """The agent with its proxy, and per job a manager peer and four worker peers."""
 
-    def __init__(self, tmp_path, **proxy_settings):
+    def __init__(self, tmp_path, kubeconfig: str = "", **proxy_settings):
         self.manager_port = free_port(JOBS.values())
         self.agent = AgentProcess(tmp_path, {
             "devices": {"backend": "simulated"}, "profiling": {"metrics": False, "disk_guard": False},
+            "kubernetes": {"enabled": bool(kubeconfig), "pod_resources_socket": ""},
             "taskd_proxy": {"enabled": True, "listen": "127.0.0.1:0", "manager_port": self.manager_port,
-                            "dial_timeout_seconds": 1, **proxy_settings}}).start()
+                            "dial_timeout_seconds": 1, **proxy_settings}},
+            env={"KUBECONFIG": kubeconfig} if kubeconfig else None).start()
         listening = self.agent.wait_for_log("TaskD proxy listening")
         self.proxy = f"127.0.0.1:{listening['address'].rsplit(':', 1)[1]}"
         self.managers = {}
@@ -207,3 +209,25 @@ def test_bad_input_gets_taskd_codes_and_strangers_are_refused(node):
     assert n.agent.metric("npu_agent_taskd_proxy_connections_refused_total") == 1
     # The refused call changed nothing for the job's own worker.
     assert peer.transfer(MGR, sync=True)["code"] == 0
+
+
+def test_with_kubernetes_a_worker_speaks_only_for_the_job_of_its_pod(node, kube, pod_cgroup):
+    standin, kubeconfig = kube
+    uids = {}  # the API server gives each pod its UID
+    for job in ("job-a", "job-b"):
+        created = standin.put({
+            "kind": "Pod", "metadata": {"namespace": "team", "name": f"{job}-0", "labels": {"volcano.sh/job-name": job}},
+            "spec": {"nodeName": "test-node", "containers": [
+                {"name": "train", "image": "t:1", "env": [{"name": "MINDX_TASK_ID", "value": job}]}]}})
+        uids[job] = created["metadata"]["uid"]
+    n = node(kubeconfig=kubeconfig)
+    mgr = n.start_manager("job-a")
+    peer = worker(n.proxy, 0, 0, env=n.env("job-a", 0), cgroup=pod_cgroup(uids["job-a"]))
+    n.workers["job-a", 0] = peer
+    assert received(mgr, peer.transfer(MGR, sync=True)["uuid"])  # its pod is job-a's: through
+    # A process of job-b's pod that claims to be job-a's is refused, and says why.
+    impostor = worker(n.proxy, 0, 1, env=n.env("job-a", 1), cgroup=pod_cgroup(uids["job-b"]), wait_ready=False)
+    n.workers["job-b", 1] = impostor
+    refused = n.agent.wait_for_log("TaskD proxy refused a connection")
+    assert "belongs to job job-b (team/job-b)" in refused["reason"], refused
+    assert n.agent.metric("npu_agent_taskd_proxy_connected", job="job-a", role="Worker") == 1

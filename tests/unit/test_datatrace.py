@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent.profiling.datatrace import (Keep, PodInfo, SwitchConfigMap, desired, directory_name, job_of,
+from agent.kube.jobs import job_of
+from agent.profiling.datatrace import (Keep, PodInfo, SwitchConfigMap, desired, directory_name,
                                        parse_directory_name)
 
 SWITCH = b'{"CommunicationOperator":"off","Step":"on","SaveCheckpoint":"on","FP":"on","DataLoader":"on"}'

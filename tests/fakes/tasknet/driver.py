@@ -53,7 +53,7 @@ def free_port(hosts: Iterable[str] = ("127.0.0.1",), attempts: int = 50) -> int:
 class PeerProcess:
     """One peer (`python -m tests.fakes.tasknet.peer ...`) and the events it has printed so far."""
 
-    def __init__(self, args: list[str], env: dict | None = None, name: str | None = None):
+    def __init__(self, args: list[str], env: dict | None = None, name: str | None = None, cgroup: Path | None = None):
         self.args = list(args)
         self.name = name or " ".join(self.args[:1] + self.args[-4:])
         self.env = {**os.environ, **(env or {})}
@@ -66,7 +66,8 @@ class PeerProcess:
         self.pos: dict | None = None  # a worker's own position
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.fakes.tasknet.peer", *self.args], cwd=REPO, env=self.env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+            preexec_fn=(lambda: (cgroup / "cgroup.procs").write_text("0")) if cgroup else None)  # e.g. a pod's
         threading.Thread(target=self._read_stdout, name=f"peer-out {self.name}", daemon=True).start()
         threading.Thread(target=self._read_stderr, name=f"peer-err {self.name}", daemon=True).start()
 
@@ -201,13 +202,14 @@ def manager(listen: str, env: dict | None = None, ready_timeout: float = 30.0) -
 
 def worker(proxy: str, server_rank: str | int, process_rank: str | int = "-1", role: str = "Worker",
            env: dict | None = None, wait_ready: bool = True, retry_interval: float = 0.2,
-           ready_timeout: float = 30.0, extra_args: Iterable[str] = ()) -> PeerProcess:
+           ready_timeout: float = 30.0, extra_args: Iterable[str] = (), cgroup: Path | None = None) -> PeerProcess:
     """A worker (or agent) peer joined through `proxy`; with `wait_ready`, after its "ready" event."""
     args = ["worker", "--proxy", proxy, "--server-rank", str(server_rank), "--role", role,
             "--retry-interval", str(retry_interval), *extra_args]
     if role == "Worker":
         args += ["--process-rank", str(process_rank)]
-    peer = PeerProcess(args, env, name=f"{role}/{server_rank}/{process_rank if role == 'Worker' else -1}")
+    peer = PeerProcess(args, env, name=f"{role}/{server_rank}/{process_rank if role == 'Worker' else -1}",
+                       cgroup=cgroup)
     peer.pos = pos(role, server_rank, process_rank if role == "Worker" else "-1")
     if wait_ready:
         try:
