@@ -1,0 +1,170 @@
+{{/* Names and labels. */}}
+{{- define "npu-node-agent.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "npu-node-agent.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "npu-node-agent.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "npu-node-agent.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "npu-node-agent.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "npu-node-agent.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "npu-node-agent.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "npu-node-agent.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "npu-node-agent.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* Where the ConfigMaps are mounted. Two directories, not nested: a mount point inside a
+     read-only ConfigMap volume cannot be created. */}}
+{{- define "npu-node-agent.configDir" -}}/etc/npu-node-agent{{- end -}}
+{{- define "npu-node-agent.filesDir" -}}/etc/npu-node-agent-files{{- end -}}
+
+{{/* Cross-key checks the schema cannot say clearly; each fails the render with the fix. */}}
+{{- define "npu-node-agent.validate" -}}
+{{- $a := .Values.agent -}}
+{{- if and $a.taskd_proxy.enabled (not (and .Values.hostPID .Values.hostNetwork)) -}}
+{{- fail "agent.taskd_proxy.enabled needs hostPID: true and hostNetwork: true (the proxy serves the training pods' 127.0.0.1:9602 on the node's loopback and finds the process behind each connection in the host's /proc); set both, or disable the proxy" -}}
+{{- end -}}
+{{- if and $a.datatrace.enabled (not $a.kubernetes.enabled) -}}
+{{- fail "agent.datatrace.enabled needs agent.kubernetes.enabled: true (the switch files follow ConfigMaps and pods from the API server)" -}}
+{{- end -}}
+{{- if and $a.kubernetes.device_info_configmap (not $a.kubernetes.enabled) -}}
+{{- fail "agent.kubernetes.device_info_configmap needs agent.kubernetes.enabled: true" -}}
+{{- end -}}
+{{- if eq (int .Values.ports.http) (int .Values.ports.grpc) -}}
+{{- fail (printf "ports.http and ports.grpc are both %d; give them different ports" (int .Values.ports.http)) -}}
+{{- end -}}
+{{- $files := list
+      (list .Values.files.faultCode $a.faults.fault_code_file "files.faultCode" "agent.faults.fault_code_file")
+      (list .Values.files.customization $a.faults.customization_file "files.customization" "agent.faults.customization_file")
+      (list .Values.files.scenario $a.devices.simulated.scenario "files.scenario" "agent.devices.simulated.scenario") -}}
+{{- range $files -}}
+{{- if and (index . 0) (index . 1) -}}
+{{- fail (printf "%s and %s are both set; give the file's content or its path, not both" (index . 2) (index . 3)) -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.serviceMonitor.enabled (not .Values.service.enabled) -}}
+{{- fail "serviceMonitor.enabled needs service.enabled: true (a ServiceMonitor selects a Service)" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The agent's config.yaml: the values' `agent` section, plus the keys the chart owns. */}}
+{{- define "npu-node-agent.agentConfig" -}}
+{{- $cfg := deepCopy .Values.agent -}}
+{{- $_ := set $cfg "http" (dict "listen" (printf "0.0.0.0:%d" (int .Values.ports.http))) -}}
+{{- $_ = set $cfg "grpc" (dict "listen" (printf "0.0.0.0:%d" (int .Values.ports.grpc))) -}}
+{{- $dir := include "npu-node-agent.filesDir" . -}}
+{{- if .Values.files.faultCode -}}
+{{- $_ = set $cfg.faults "fault_code_file" (printf "%s/faultCode.json" $dir) -}}
+{{- end -}}
+{{- if .Values.files.customization -}}
+{{- $_ = set $cfg.faults "customization_file" (printf "%s/faultCustomization.json" $dir) -}}
+{{- end -}}
+{{- if .Values.files.scenario -}}
+{{- $_ = set $cfg.devices.simulated "scenario" (printf "%s/scenario.yaml" $dir) -}}
+{{- end -}}
+{{- toYaml $cfg -}}
+{{- end -}}
+
+{{/* Which features use the Kubernetes API, as RBAC rules (empty: the agent never calls it). */}}
+{{- define "npu-node-agent.clusterRules" -}}
+{{- $a := .Values.agent -}}
+{{- if $a.kubernetes.enabled -}}
+{{- if or $a.profiling.metrics $a.datatrace.enabled $a.taskd_proxy.enabled }}
+# The pods on this node (fieldSelector spec.nodeName), one watch for: the step metrics' job labels,
+# which jobs have local pods (datatrace switch files), the TaskD proxy's check that a connecting
+# process belongs to a pod of its job. The agent only lists and watches.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch]
+{{- end }}
+{{- if $a.datatrace.enabled }}
+# data-trace-<job> ConfigMaps (label reset=true) in every namespace: the switch files' content.
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [list, watch]
+{{- end }}
+{{- end -}}
+{{- end -}}
+
+{{- define "npu-node-agent.deviceInfoRules" -}}
+{{- if and .Values.agent.kubernetes.enabled .Values.agent.kubernetes.device_info_configmap }}
+# kube-system/mindx-dl-deviceinfo-<node>: the agent replaces it, and creates it on 404. The name
+# holds the node, so it cannot be narrowed with resourceNames in one Role for all nodes.
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [create, update]
+{{- end -}}
+{{- end -}}
+
+{{/* Why the container runs as root, one word per feature ("" = it does not). Shown on the pod as
+     an annotation, so `kubectl describe` tells an operator what to switch off to drop root. */}}
+{{- define "npu-node-agent.rootReasons" -}}
+{{- $a := .Values.agent -}}
+{{- $r := list -}}
+{{- if eq $a.devices.backend "dcmi" -}}{{- $r = append $r "dcmi-devices" -}}{{- end -}}
+{{- if $a.taskd_proxy.enabled -}}{{- $r = append $r "taskd-proxy" -}}{{- end -}}
+{{- if $a.kubernetes.pod_resources_socket -}}{{- $r = append $r "kubelet-pod-resources" -}}{{- end -}}
+{{- if $a.profiling.disk_guard -}}{{- $r = append $r "profiling-disk-guard" -}}{{- end -}}
+{{- if $a.datatrace.enabled -}}{{- $r = append $r "datatrace" -}}{{- end -}}
+{{- join "," $r -}}
+{{- end -}}
+
+{{/* The container's securityContext: as little as the enabled features allow.
+     - dcmi backend: privileged (the /dev/davinci* devices), root;
+     - TaskD proxy: root + SYS_PTRACE and DAC_READ_SEARCH, to read other users' /proc/<pid>/fd and
+       /proc/<pid>/environ;
+     - disk guard: root + DAC_OVERRIDE, to delete record files in training processes' directories;
+     - kubelet pod-resources socket, datatrace: root (root-owned socket and host directories);
+     - otherwise uid 65532, and an init container hands state_dir over to it. */}}
+{{- define "npu-node-agent.securityContext" -}}
+{{- $a := .Values.agent -}}
+{{- $ctx := dict "readOnlyRootFilesystem" true -}}
+{{- if and (eq $a.devices.backend "dcmi") .Values.dcmi.privileged -}}
+{{- $_ := set $ctx "privileged" true -}}
+{{- $_ = set $ctx "runAsUser" 0 -}}
+{{- $_ = set $ctx "runAsNonRoot" false -}}
+{{- else -}}
+{{- $caps := list -}}
+{{- if $a.taskd_proxy.enabled -}}{{- $caps = concat $caps (list "SYS_PTRACE" "DAC_READ_SEARCH") -}}{{- end -}}
+{{- if $a.profiling.disk_guard -}}{{- $caps = append $caps "DAC_OVERRIDE" -}}{{- end -}}
+{{- $_ := set $ctx "allowPrivilegeEscalation" false -}}
+{{- $_ = set $ctx "capabilities" (dict "drop" (list "ALL")) -}}
+{{- if $caps -}}{{- $_ = set $ctx.capabilities "add" $caps -}}{{- end -}}
+{{- if include "npu-node-agent.rootReasons" . -}}
+{{- $_ = set $ctx "runAsUser" 0 -}}
+{{- $_ = set $ctx "runAsNonRoot" false -}}
+{{- else -}}
+{{- $_ = set $ctx "runAsUser" 65532 -}}
+{{- $_ = set $ctx "runAsGroup" 65532 -}}
+{{- $_ = set $ctx "runAsNonRoot" true -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml (mergeOverwrite $ctx .Values.containerSecurityContext) -}}
+{{- end -}}

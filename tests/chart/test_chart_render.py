@@ -1,0 +1,301 @@
+"""The rendered chart: every manifest valid, the agent accepts its configuration, and each feature
+gets exactly the mounts, privileges and RBAC it needs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from agent.config import load_config
+from agent.devices.scenario import load_scenario
+from agent.faults.codes import load_fault_code_table
+from agent.faults.customization import load_customization
+from tests.chart.conftest import CHART, NAMESPACE, RELEASE, VALUE_FILES, VALUES
+from tests.chart.manifests import problems
+
+RENDERINGS = [None, *VALUE_FILES]  # None: the chart's defaults
+
+
+@pytest.mark.parametrize("values", RENDERINGS)
+def test_every_manifest_is_valid(helm, values):
+    rendered = helm.render(values)
+    found = [line for doc in rendered.docs for line in problems(doc)]
+    assert not found, "\n".join(found)
+    names = [(d["kind"], d["metadata"]["name"]) for d in rendered.docs]
+    assert len(names) == len(set(names)), names
+
+
+@pytest.mark.parametrize("values", RENDERINGS)
+def test_the_agent_accepts_the_rendered_files(helm, values, tmp_path):
+    """config.yaml passes the agent's own validation, and so do the rule and scenario files."""
+    rendered = helm.render(values)
+    files = rendered.maybe("ConfigMap", f"{RELEASE}-files")
+    for name, text in (files or {}).get("data", {}).items():
+        (tmp_path / name).write_text(text)
+    text = rendered.one("ConfigMap", RELEASE)["data"]["config.yaml"]
+    # The paths the chart points at are where the files ConfigMap is mounted; read them here.
+    text = text.replace("/etc/npu-node-agent-files", str(tmp_path))
+    (tmp_path / "config.yaml").write_text(text)
+    config = load_config(str(tmp_path / "config.yaml"), environ={"NODE_NAME": "npu-node-7"})
+    assert config.node_name == "npu-node-7"
+    if config.faults.fault_code_file:
+        load_fault_code_table(config.faults.fault_code_file)
+    if config.faults.customization_file:
+        load_customization(config.faults.customization_file)
+    if config.devices.simulated.scenario:
+        load_scenario(config.devices.simulated.scenario, config.devices.simulated.devices)
+
+
+def test_config_follows_values(helm):
+    config = helm.render("monitoring").agent_config
+    assert config["http"] == {"listen": "0.0.0.0:19410"} and config["grpc"] == {"listen": "0.0.0.0:19411"}
+    assert "node_name" not in config  # NODE_NAME, per pod
+    clusterd = helm.render("clusterd").agent_config
+    assert clusterd["clusterd"]["enabled"] is True
+    assert "SubHealthFault" not in clusterd["clusterd"]["public_codes"]  # removed with null
+    assert clusterd["faults"]["customization_file"] == "/etc/npu-node-agent-files/faultCustomization.json"
+    assert clusterd["faults"]["fault_code_file"] == ""
+
+
+def test_daemonset_basics(helm):
+    rendered = helm.render()
+    ds = rendered.one("DaemonSet")
+    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+    spec = rendered.pod["spec"]
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert spec["nodeSelector"] == {"accelerator": "huawei-Ascend910"}
+    assert {"operator": "Exists"} in spec["tolerations"]
+    assert spec["terminationGracePeriodSeconds"] >= 15
+    container = rendered.container
+    assert container["image"] == "npu-node-agent:0.1.0"
+    assert container["args"] == ["run", "--config", "/etc/npu-node-agent/config.yaml"]
+    assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in container["env"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 9410, "grpc": 9411}
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+    overridden = helm.render(None, "nodeSelector.accelerator=huawei-Ascend910B").pod["spec"]["nodeSelector"]
+    assert overridden == {"accelerator": "huawei-Ascend910B"}
+    assert "nodeSelector" not in helm.render("simulated").pod["spec"]  # nodeSelector: null
+
+
+def test_probes(helm):
+    container = helm.render().container
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    grpc = helm.render("monitoring").container
+    assert grpc["readinessProbe"]["grpc"] == {"port": 19411} and "httpGet" not in grpc["readinessProbe"]
+    assert grpc["livenessProbe"]["httpGet"]["port"] == "http"
+
+
+def _mounts(rendered) -> dict[str, dict]:
+    """mountPath -> {readOnly, volume}: what the container sees, joined with its volume."""
+    volumes = {v["name"]: v for v in rendered.pod["spec"]["volumes"]}
+    return {m["mountPath"]: {"readOnly": m.get("readOnly", False), "volume": volumes[m["name"]]}
+            for m in rendered.container["volumeMounts"]}
+
+
+def _host(mount: dict) -> tuple[str, str]:
+    return mount["volume"]["hostPath"]["path"], mount["volume"]["hostPath"]["type"]
+
+
+DRIVER, DCMI = "/usr/local/Ascend/driver", "/usr/local/dcmi"
+POD_RESOURCES, PROFILING = "/var/lib/kubelet/pod-resources", "/user/cluster-info/profiling"
+DATATRACE, STATE = "/user/cluster-info/datatrace-config", "/var/lib/npu-node-agent"
+
+
+def test_default_mounts(helm):
+    mounts = _mounts(helm.render())
+    assert _host(mounts[STATE]) == (STATE, "DirectoryOrCreate") and not mounts[STATE]["readOnly"]
+    assert _host(mounts[DRIVER]) == (DRIVER, "Directory") and mounts[DRIVER]["readOnly"]
+    assert _host(mounts[DCMI]) == (DCMI, "") and mounts[DCMI]["readOnly"]
+    assert _host(mounts[POD_RESOURCES]) == (POD_RESOURCES, "Directory") and mounts[POD_RESOURCES]["readOnly"]
+    assert _host(mounts[PROFILING]) == (PROFILING, "DirectoryOrCreate")
+    assert not mounts[PROFILING]["readOnly"]  # the disk guard deletes aged files
+    assert mounts["/etc/npu-node-agent"]["volume"]["configMap"]["name"] == RELEASE
+    assert "emptyDir" in mounts["/tmp"]["volume"]
+    assert DATATRACE not in mounts and "/etc/npu-node-agent-files" not in mounts
+
+
+@pytest.mark.parametrize("values, present, absent", [
+    ("minimal", {STATE}, {DRIVER, DCMI, POD_RESOURCES, PROFILING, DATATRACE, "/etc/npu-node-agent-files"}),
+    ("simulated", {STATE, PROFILING, "/etc/npu-node-agent-files"}, {DRIVER, DCMI, POD_RESOURCES, DATATRACE}),
+    ("kubernetes-full", {STATE, DRIVER, POD_RESOURCES, PROFILING, DATATRACE}, set()),
+    ("taskd-proxy", {STATE, PROFILING}, {DRIVER, POD_RESOURCES, DATATRACE}),
+])
+def test_mounts_follow_features(helm, values, present, absent):
+    mounts = _mounts(helm.render(values))
+    assert present <= set(mounts), set(mounts)
+    assert not absent & set(mounts), absent & set(mounts)
+
+
+def test_mount_details_follow_values(helm):
+    simulated = _mounts(helm.render("simulated"))
+    assert simulated[PROFILING]["readOnly"]  # metrics only: nothing is deleted
+    assert simulated["/etc/npu-node-agent-files"]["volume"]["configMap"]["name"] == f"{RELEASE}-files"
+    datatrace = _mounts(helm.render("kubernetes-full"))[DATATRACE]
+    assert _host(datatrace) == (DATATRACE, "DirectoryOrCreate") and not datatrace["readOnly"]
+    moved = _mounts(helm.render(None, "agent.kubernetes.pod_resources_socket=/run/kubelet/pr/kubelet.sock",
+                                "podResources.hostPath=/var/lib/rancher/k3s/agent/kubelet/pod-resources",
+                                "agent.profiling.root=/data/profiling", "agent.state_dir=/data/agent"))
+    assert _host(moved["/run/kubelet/pr"]) == ("/var/lib/rancher/k3s/agent/kubelet/pod-resources", "Directory")
+    assert _host(moved["/data/profiling"])[0] == "/data/profiling"
+    assert _host(moved["/data/agent"])[0] == "/data/agent"
+
+
+@pytest.mark.parametrize("values, expected", [
+    # (container securityContext, root-required-by annotation)
+    (None, ({"privileged": True, "runAsUser": 0, "runAsNonRoot": False, "readOnlyRootFilesystem": True},
+            "dcmi-devices,kubelet-pod-resources,profiling-disk-guard")),
+    ("minimal", ({"runAsUser": 65532, "runAsGroup": 65532, "runAsNonRoot": True, "readOnlyRootFilesystem": True,
+                  "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}, "")),
+    ("simulated", ({"runAsUser": 65532, "runAsGroup": 65532, "runAsNonRoot": True, "readOnlyRootFilesystem": True,
+                    "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}, "")),
+    ("taskd-proxy", ({"runAsUser": 0, "runAsNonRoot": False, "readOnlyRootFilesystem": True,
+                      "allowPrivilegeEscalation": False,
+                      "capabilities": {"drop": ["ALL"], "add": ["SYS_PTRACE", "DAC_READ_SEARCH"]}}, "taskd-proxy")),
+])
+def test_security_context_follows_features(helm, values, expected):
+    rendered = helm.render(values)
+    context, root_for = expected
+    assert rendered.container["securityContext"] == context
+    assert rendered.pod["metadata"]["annotations"]["npu-node-agent/root-required-by"] == root_for
+    assert rendered.pod["spec"]["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def test_root_without_privileges_when_dcmi_devices_come_another_way(helm):
+    context = helm.render(None, "dcmi.privileged=false").container["securityContext"]
+    assert "privileged" not in context and context["runAsUser"] == 0 and context["allowPrivilegeEscalation"] is False
+    assert context["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}  # the disk guard's
+
+
+def test_non_root_pod_hands_state_dir_to_the_agent_uid(helm):
+    init = helm.render("minimal").pod["spec"]["initContainers"]
+    assert [c["name"] for c in init] == ["state-dir-owner"]
+    assert init[0]["command"] == ["chown", "-R", "65532:65532", STATE]
+    assert init[0]["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert "initContainers" not in helm.render().pod["spec"]  # root needs no hand-over
+
+
+def test_host_namespaces(helm):
+    default = helm.render().pod["spec"]
+    assert default["hostNetwork"] is False and default["hostPID"] is False and "dnsPolicy" not in default
+    proxy = helm.render("taskd-proxy").pod["spec"]
+    assert proxy["hostNetwork"] is True and proxy["hostPID"] is True
+    assert proxy["dnsPolicy"] == "ClusterFirstWithHostNet"  # ClusterD's service name still resolves
+
+
+def _rules(rendered, kind: str) -> list[dict] | None:
+    role = rendered.maybe(kind)
+    return None if role is None else [{k: r[k] for k in ("apiGroups", "resources", "verbs")} for r in role["rules"]]
+
+
+PODS = {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}
+CONFIGMAPS = {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["list", "watch"]}
+DEVICE_INFO = {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create", "update"]}
+
+
+@pytest.mark.parametrize("values, sets, cluster_rules, device_info_rules", [
+    (None, (), None, None),                              # kubernetes off: no RBAC at all
+    ("minimal", (), None, None),
+    (None, ("agent.kubernetes.enabled=true",), [PODS], None),   # step-metric job labels
+    (None, ("agent.kubernetes.enabled=true", "agent.profiling.metrics=false"), None, None),
+    (None, ("agent.kubernetes.enabled=true", "agent.profiling.metrics=false",
+            "agent.kubernetes.device_info_configmap=true"), None, [DEVICE_INFO]),
+    (None, ("agent.kubernetes.enabled=true", "agent.datatrace.enabled=true"), [PODS, CONFIGMAPS], None),
+    ("kubernetes-full", (), [PODS, CONFIGMAPS], [DEVICE_INFO]),
+    ("taskd-proxy", (), None, None),
+    ("taskd-proxy", ("agent.kubernetes.enabled=true", "agent.profiling.metrics=false"), [PODS], None),
+])
+def test_rbac_is_what_the_features_use(helm, values, sets, cluster_rules, device_info_rules):
+    rendered = helm.render(values, *sets)
+    assert _rules(rendered, "ClusterRole") == cluster_rules
+    assert _rules(rendered, "Role") == device_info_rules
+    assert bool(rendered.all("ClusterRoleBinding")) == bool(cluster_rules)
+    assert bool(rendered.all("RoleBinding")) == bool(device_info_rules)
+    assert rendered.pod["spec"]["automountServiceAccountToken"] is bool(cluster_rules or device_info_rules)
+    assert rendered.one("ServiceAccount")["automountServiceAccountToken"] is False
+
+
+def test_rbac_bindings_point_at_the_service_account(helm):
+    rendered = helm.render("kubernetes-full")
+    account = rendered.one("ServiceAccount")["metadata"]["name"]
+    assert rendered.pod["spec"]["serviceAccountName"] == account
+    role = rendered.one("Role")
+    assert role["metadata"]["namespace"] == "kube-system"
+    for binding in (rendered.one("ClusterRoleBinding"), rendered.one("RoleBinding")):
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
+    assert rendered.one("RoleBinding")["roleRef"]["name"] == role["metadata"]["name"]
+    assert not helm.render("kubernetes-full", "rbac.create=false").all("ClusterRole")
+
+
+def _checksum(rendered) -> str:
+    return rendered.pod["metadata"]["annotations"]["checksum/config"]
+
+
+def test_checksum_follows_the_config(helm):
+    base = _checksum(helm.render("simulated"))
+    assert base == _checksum(helm.render("simulated", "podLabels.x=y"))  # not a config change
+    assert base != _checksum(helm.render("simulated", "agent.log.level=debug"))
+    assert base != _checksum(helm.render("simulated", "ports.http=9500"))
+    # The rule files are re-read by the agent: changing them must not roll the pods.
+    assert base == _checksum(helm.render("simulated", "files.scenario=steps: []"))
+
+
+def test_service(helm):
+    service = helm.render().one("Service")
+    assert service["spec"]["clusterIP"] == "None"
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
+        "http": (9410, "http"), "grpc": (9411, "grpc")}
+    assert service["spec"]["selector"] == helm.render().one("DaemonSet")["spec"]["selector"]["matchLabels"]
+    assert not helm.render("minimal").all("Service")
+
+
+def test_monitoring_objects_are_opt_in(helm):
+    kinds = {d["kind"] for d in helm.render().docs}
+    assert kinds == {"ServiceAccount", "ConfigMap", "Service", "DaemonSet"}
+
+
+def test_service_monitor(helm):
+    rendered = helm.render("monitoring")
+    monitor = rendered.one("ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= rendered.one("Service")["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    [endpoint] = monitor["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("http", "/metrics", "15s")
+    assert endpoint["relabelings"][0] == {"sourceLabels": ["__meta_kubernetes_pod_node_name"],
+                                          "targetLabel": "node", "action": "replace"}
+    assert endpoint["relabelings"][1]["targetLabel"] == "host_ip"
+
+
+def test_prometheus_rule_is_the_rule_file(helm):
+    rule = helm.render("monitoring").one("PrometheusRule")
+    assert rule["spec"] == yaml.safe_load((CHART / "files" / "prometheus-rules.yaml").read_text())
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+def test_grafana_dashboard(helm):
+    dashboard = helm.render("monitoring").one("ConfigMap", f"{RELEASE}-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["metadata"]["namespace"] == "monitoring"
+    assert dashboard["metadata"]["annotations"] == {"grafana_folder": "NPU"}
+    shipped = json.loads((CHART / "files" / "grafana-dashboard.json").read_text())
+    assert json.loads(dashboard["data"]["npu-node-agent.json"]) == shipped
+
+
+def test_network_policy(helm):
+    policy = helm.render("monitoring").one("NetworkPolicy")
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    by_port = {rule["ports"][0]["port"]: rule["from"] for rule in policy["spec"]["ingress"]}
+    assert set(by_port) == {"http", "grpc"}
+    assert by_port["http"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
+
+
+def test_notes_name_what_needs_attention(helm):
+    done = helm.run("install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
+                    "-f", str(VALUES / "clusterd.yaml"))
+    assert done.returncode == 0, done.stderr
+    notes = done.stdout[done.stdout.index("NOTES:"):]
+    assert "Runs as root, for: dcmi-devices" in notes
+    assert "publicCustomization.json" in notes
