@@ -23,12 +23,12 @@ from agent.faults.service import FaultService
 from agent.grpc_server import GrpcServer
 from agent.http import HttpEndpoint
 from agent.kube.client import core_api
+from agent.kube.jobs import JobDirectory
 from agent.kube.podresources import PodAttribution, PodsOf, no_pods
 from agent.kube.pods import NodePods
 from agent.metrics import AgentCollector, make_registry
 from agent.profiling.datatrace_sync import DatatraceSync
 from agent.profiling.disk import DiskGuard
-from agent.kube.jobs import JobDirectory
 from agent.profiling.metrics import DatatraceCollector, DiskGuardCollector, StepCollector
 from agent.profiling.step_metrics import StepMetrics
 from agent.profiling.tail import ProfilingTailer
@@ -137,7 +137,7 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
     collectors = [AgentCollector(config.node_name, monitor, faults, hub, fault_log, sinks,
                                  lambda: [(name, ok) for name, ok, _ in supervisor.states()], pods_of)]
     profiling = []
-    # One watch of this node's pods for whoever needs them (job labels, datatrace); started first.
+    # One watch of this node's pods for whoever subscribes (job labels, datatrace, the proxy's pod check).
     node_pods = NodePods(config.node_name, core_api, config.kubernetes.watch_timeout_seconds)
     jobs = None  # pod -> job, for the step metrics' labels and the TaskD proxy's peer check
     if config.kubernetes.enabled and (config.profiling.metrics or config.taskd_proxy.enabled):
