@@ -168,9 +168,8 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
     http = HttpEndpoint(config.http.listen, make_registry(*collectors), supervisor.readiness)
     # Servers first, so /readyz and the stream answer while the driver is still being opened;
     # sinks before the sources that feed them.
-    # Attribution first: the first snapshot on the stream already names the pods.
-    if node_pods.subscribed:
-        profiling.insert(0, node_pods)
+    # Attribution first: the first snapshot on the stream already names the pods. The pod watch
+    # runs only when somebody subscribed to it, before the profiling parts that read it.
     supervisor.components = [*([attribution] if attribution else []), http, *servers, *sinks, faults, monitor,
-                             *profiling]
+                             *([node_pods] if node_pods.subscribed else []), *profiling]
     return Agent(config, supervisor, hub, fault_log, faults, monitor, http, grpc_server, sinks, profiling, pods_of)

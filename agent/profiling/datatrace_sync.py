@@ -38,7 +38,7 @@ class DatatraceSync:
         self._watch_timeout_s = watch_timeout_s
         self._pods: dict[tuple[str, str], PodInfo] = {}
         self._configmaps: dict[tuple[str, str], SwitchConfigMap] = {}
-        self._watches: list[ListWatch] = []
+        self._configmap_watch: ListWatch | None = None  # the pods come from the shared pod watch
         self._dirty = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._rejected_seen: set[tuple[str, str]] = set()
@@ -53,7 +53,8 @@ class DatatraceSync:
 
     @property
     def watch_counters(self) -> dict[str, Counter[str]]:
-        return {"pods": self._node_pods.counters, **{w.name: w.counters for w in self._watches}}
+        configmaps = self._configmap_watch.counters if self._configmap_watch else Counter()
+        return {"pods": self._node_pods.counters, "configmaps": configmaps}
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -63,19 +64,16 @@ class DatatraceSync:
             self._unavailable = str(exc)
             log.error("datatrace sync cannot reach Kubernetes; switch files are not kept", extra={"error": str(exc)})
             return
-        self._watches = [  # the pods come from the shared pod watch
-            ListWatch("configmaps", api.list_config_map_for_all_namespaces, switch_configmap,
-                      self._configmaps_changed, loop, timeout_s=self._watch_timeout_s,
-                      label_selector=CONFIGMAP_SELECTOR),
-        ]
-        for watch in self._watches:
-            watch.start()
+        self._configmap_watch = ListWatch("configmaps", api.list_config_map_for_all_namespaces, switch_configmap,
+                                          self._configmaps_changed, loop, timeout_s=self._watch_timeout_s,
+                                          label_selector=CONFIGMAP_SELECTOR)
+        self._configmap_watch.start()
         self._task = asyncio.create_task(self._run(), name="datatrace")
         log.info("datatrace sync started", extra={"root": str(self._files.root), "node": self._node})
 
     async def stop(self) -> None:
-        for watch in self._watches:
-            watch.stop()
+        if self._configmap_watch is not None:
+            self._configmap_watch.stop()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -83,10 +81,15 @@ class DatatraceSync:
             except asyncio.CancelledError:
                 pass
 
+    @property
+    def _configmaps_synced(self) -> bool:
+        return self._configmap_watch is not None and self._configmap_watch.synced
+
     def readiness(self) -> tuple[bool, str]:
         if self._unavailable:
             return False, self._unavailable
-        waiting = [w.name for w in self._watches if not w.synced] + ([] if self._node_pods.synced else ["pods"])
+        waiting = [name for name, synced in (("pods", self._node_pods.synced), ("configmaps", self._configmaps_synced))
+                   if not synced]
         return (False, f"waiting for the first list of {', '.join(waiting)}") if waiting else (True, "")
 
     def _pods_changed(self, pods: dict) -> None:
@@ -107,6 +110,6 @@ class DatatraceSync:
                     self.rejected["switch" if what.startswith("configmap") else "name"] += 1
                     log.error("profiling switch not flushed", extra={"object": what, "reason": why})
             self._rejected_seen = set(want.rejected)
-            synced = self._node_pods.synced and all(w.synced for w in self._watches)
+            synced = self._node_pods.synced and self._configmaps_synced
             self.last = await asyncio.to_thread(self._files.apply, want.directories, synced)
             self.passes += 1
