@@ -107,6 +107,11 @@ class TaskdProxyConfig:
     dial_timeout_seconds: float = 5.0  # per attempt to reach a job's manager; retried with backoff
     hold_seconds: float = 60.0  # how long a message waits for an unreachable manager
     queue_limit: int = 1024  # messages held per job while its manager is unreachable
+    # Bytes of messages the proxy may hold (on their way to a manager, or queued for a worker): per
+    # job and for the node. Python holds a message about 2.5 times over, so the node default fits
+    # the chart's 512 MiB memory limit with room.
+    job_buffer_mb: int = 32
+    node_buffer_mb: int = 64
 
 
 @dataclass
@@ -277,6 +282,10 @@ def validate(config: Config) -> list[str]:
     check(0 <= proxy.hold_seconds <= 3600, "taskd_proxy.hold_seconds", f"{proxy.hold_seconds} is out of range 0..3600")
     check(1 <= proxy.queue_limit <= 1_000_000, "taskd_proxy.queue_limit",
           f"{proxy.queue_limit} is out of range 1..1000000")
+    check(8 <= proxy.job_buffer_mb <= 65536, "taskd_proxy.job_buffer_mb",
+          f"{proxy.job_buffer_mb} is out of range 8..65536 (a TaskNet message may be 8 MiB)")
+    check(proxy.job_buffer_mb <= proxy.node_buffer_mb <= 65536, "taskd_proxy.node_buffer_mb",
+          f"{proxy.node_buffer_mb} is out of range {proxy.job_buffer_mb} (job_buffer_mb)..65536")
     check(not config.datatrace.enabled or config.kubernetes.enabled, "datatrace.enabled",
           "needs kubernetes.enabled")
     check(1 <= config.kubernetes.watch_timeout_seconds <= 3600, "kubernetes.watch_timeout_seconds",

@@ -162,7 +162,8 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
         proxy_config = config.taskd_proxy
         proxy = TaskdProxy(proxy_config.listen, proxy_config.manager_port,
                            dial_timeout_s=proxy_config.dial_timeout_seconds, hold_s=proxy_config.hold_seconds,
-                           queue_limit=proxy_config.queue_limit, resolver=PeerResolver(jobs=jobs))
+                           queue_limit=proxy_config.queue_limit, job_bytes=proxy_config.job_buffer_mb << 20,
+                           node_bytes=proxy_config.node_buffer_mb << 20, resolver=PeerResolver(jobs=jobs))
         collectors.append(TaskdProxyCollector(config.node_name, proxy))
         servers.append(proxy)
     http = HttpEndpoint(config.http.listen, make_registry(*collectors), supervisor.readiness)

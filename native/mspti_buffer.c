@@ -655,7 +655,9 @@ typedef struct {
     PyObject_HEAD
     int owner; /* this object opened the global state and has not closed it */
     int subscribed;
+    int closing;              /* close has begun: set_switch refuses from now on (switch_mu held) */
     msptiSubscriberHandle handle;
+    pthread_mutex_t switch_mu; /* serialises the switch sequences (set_switch, and close's switch-off) */
     pthread_mutex_t mu;       /* the consumer side: the ring's tail while owner, else the leftover */
     PyObject *leftover;       /* ring contents at close (bytes), handed out by the next drains */
     Py_ssize_t leftover_off;  /* how much of it is consumed */
@@ -782,31 +784,41 @@ static PyObject *take_all(Collector *self) {
     return out;
 }
 
-static void switch_calls(Collector *self, int default_on, int comm_on) {
+/* TaskD's per-domain switch results, as its STATUS reply reports them. */
+enum { SWITCH_OFF = 0, SWITCH_ON = 1, SWITCH_EXCEPTION = 2 };
+
+/* TaskD's switch sequence.  Returns the two results through `out` (default domain, then the
+ * communication domain): on or off as asked, or an exception when an MSPTI call for that domain
+ * did not return MSPTI_SUCCESS (the subscribe when it is needed and the MARKER enable when
+ * switching on; the three disables and the unsubscribe when switching off; the marker-domain call
+ * for communication).  The calls made do not depend on the results. */
+static void switch_calls(Collector *self, int default_on, int comm_on, int out[2]) {
     mspti_api *api = &G.api;
+    int default_ok = 1;
     if (default_on) {
         if (!self->subscribed) {
             msptiSubscriberHandle h = NULL;
             if (api->subscribe(&h, NULL, NULL) == MSPTI_SUCCESS) {
                 self->subscribed = 1;
                 self->handle = h;
+            } else {
+                default_ok = 0; /* e.g. another profiler holds MSPTI's only subscriber slot */
             }
         }
-        api->enable(MSPTI_ACTIVITY_KIND_MARKER);
+        if (api->enable(MSPTI_ACTIVITY_KIND_MARKER) != MSPTI_SUCCESS) default_ok = 0;
     } else {
-        api->disable(MSPTI_ACTIVITY_KIND_MARKER);
-        api->disable(MSPTI_ACTIVITY_KIND_KERNEL);
-        api->disable(MSPTI_ACTIVITY_KIND_API);
+        if (api->disable(MSPTI_ACTIVITY_KIND_MARKER) != MSPTI_SUCCESS) default_ok = 0;
+        if (api->disable(MSPTI_ACTIVITY_KIND_KERNEL) != MSPTI_SUCCESS) default_ok = 0;
+        if (api->disable(MSPTI_ACTIVITY_KIND_API) != MSPTI_SUCCESS) default_ok = 0;
         if (self->subscribed) {
-            api->unsubscribe(self->handle);
+            if (api->unsubscribe(self->handle) != MSPTI_SUCCESS) default_ok = 0;
             self->subscribed = 0;
             self->handle = NULL;
         }
     }
-    if (comm_on)
-        api->enable_domain("communication");
-    else
-        api->disable_domain("communication");
+    msptiResult comm_rc = comm_on ? api->enable_domain("communication") : api->disable_domain("communication");
+    out[0] = default_ok ? (default_on ? SWITCH_ON : SWITCH_OFF) : SWITCH_EXCEPTION;
+    out[1] = comm_rc == MSPTI_SUCCESS ? (comm_on ? SWITCH_ON : SWITCH_OFF) : SWITCH_EXCEPTION;
 }
 
 static void sleep_ms(long ms) {
@@ -820,7 +832,16 @@ static void sleep_ms(long ms) {
 static int do_close(Collector *self, int release_gil) {
     if (!self->owner) return 0;
     PyThreadState *ts = release_gil ? PyEval_SaveThread() : NULL;
-    switch_calls(self, 0, 0);
+    pthread_mutex_lock(&self->switch_mu);
+    if (self->closing) { /* another thread is closing it */
+        pthread_mutex_unlock(&self->switch_mu);
+        if (ts != NULL) PyEval_RestoreThread(ts);
+        return 0;
+    }
+    self->closing = 1;
+    int ignored[2];
+    switch_calls(self, 0, 0, ignored);
+    pthread_mutex_unlock(&self->switch_mu);
     G.api.flush_all(1);
     atomic_store(&G.closed, 1);
     int waited = 0;
@@ -870,7 +891,10 @@ static PyObject *Collector_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     (void)args;
     (void)kwds;
     Collector *self = (Collector *)type->tp_alloc(type, 0);
-    if (self != NULL) pthread_mutex_init(&self->mu, NULL);
+    if (self != NULL) {
+        pthread_mutex_init(&self->mu, NULL);
+        pthread_mutex_init(&self->switch_mu, NULL);
+    }
     return (PyObject *)self;
 }
 
@@ -971,6 +995,7 @@ static int collector_open(Collector *self, const char *lib_path, Py_ssize_t buff
     G.open = 1;
     self->owner = 1;
     self->subscribed = 0;
+    self->closing = 0;
     self->handle = NULL;
     Py_CLEAR(self->leftover);
     self->leftover_off = 0;
@@ -993,10 +1018,18 @@ static PyObject *Collector_set_switch(Collector *self, PyObject *args, PyObject 
         PyErr_SetString(PyExc_ValueError, "Collector is closed");
         return NULL;
     }
+    int results[2], closed;
     Py_BEGIN_ALLOW_THREADS
-    switch_calls(self, default_on, comm_on);
+    pthread_mutex_lock(&self->switch_mu);
+    closed = self->closing;
+    if (!closed) switch_calls(self, default_on, comm_on, results);
+    pthread_mutex_unlock(&self->switch_mu);
     Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+    if (closed) {
+        PyErr_SetString(PyExc_ValueError, "Collector is closed");
+        return NULL;
+    }
+    return Py_BuildValue("(ii)", results[0], results[1]);
 }
 
 static PyObject *Collector_drain(Collector *self, PyObject *Py_UNUSED(ignored)) {
@@ -1120,12 +1153,14 @@ static void Collector_dealloc(Collector *self) {
     do_close(self, 0);
     Py_CLEAR(self->leftover);
     pthread_mutex_destroy(&self->mu);
+    pthread_mutex_destroy(&self->switch_mu);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyMethodDef Collector_methods[] = {
     {"set_switch", (PyCFunction)(void (*)(void))Collector_set_switch, METH_VARARGS | METH_KEYWORDS,
-     "set_switch(default_on, comm_on): TaskD's switch: MARKER kind on/off, then the communication domain."},
+     "set_switch(default_on, comm_on) -> (default_result, comm_result): TaskD's switch: MARKER kind on/off, then "
+     "the communication domain; each result is 0 off, 1 on, 2 exception (an MSPTI call of that domain failed)."},
     {"drain", (PyCFunction)Collector_drain, METH_NOARGS, "drain() -> bytes: all complete lines since the last drain."},
     {"drain_to", (PyCFunction)(void (*)(void))Collector_drain_to, METH_VARARGS | METH_KEYWORDS,
      "drain_to(fd, max_bytes=-1) -> (bytes, lines): write(2) the complete lines waiting (as many whole\n"

@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from agent.taskd.proxy import TaskdProxy
 
 DIRECTIONS = ("up", "down", "local")
-RESULTS = ("delivered", "not_delivered", "no_route", "invalid", "refused")
+RESULTS = ("delivered", "not_delivered", "no_route", "invalid", "refused", "duplicate")
 
 
 class TaskdProxyCollector:
@@ -25,7 +25,8 @@ class TaskdProxyCollector:
         messages = CounterMetricFamily(
             "npu_agent_taskd_proxy_messages_total",
             "TaskNet messages through the node proxy: up (to a manager), down (from a manager), local "
-            "(worker to worker); result delivered, not_delivered, no_route, invalid, refused (by the manager)",
+            "(worker to worker); result delivered, not_delivered, no_route, invalid, refused (by the manager), "
+            "duplicate (a further copy of a broadcast, dropped)",
             labels=["node", "direction", "result"])
         for direction in DIRECTIONS:
             for result in RESULTS:
@@ -36,6 +37,13 @@ class TaskdProxyCollector:
                                       labels=["node"])
         refused.add_metric([node], sum(proxy.refused.values()))
         yield refused
+        held_bytes = GaugeMetricFamily("npu_agent_taskd_proxy_buffer_bytes",
+                                       "Bytes of messages the proxy holds now (to a manager or queued for a worker)",
+                                       labels=["node", "job"])
+        overflows = CounterMetricFamily("npu_agent_taskd_proxy_overflows_total",
+                                        "Messages refused with RecvBufBusy (5001): the job's or the node's buffer "
+                                        "(bytes), a manager's held queue or a worker's stream queue was full",
+                                        labels=["node", "job"])
         connected = GaugeMetricFamily("npu_agent_taskd_proxy_connected",
                                       "Processes with an open TaskNet stream, by job and role",
                                       labels=["node", "job", "role"])
@@ -55,4 +63,6 @@ class TaskdProxyCollector:
             held.add_metric([node, job.name], len(job.link.held))
             up.add_metric([node, job.name], 1 if job.link.connected else 0)
             reconnects.add_metric([node, job.name], job.link.counters.connects)
-        yield from (connected, held, up, reconnects)
+            held_bytes.add_metric([node, job.name], proxy.budget.used[job.name])
+            overflows.add_metric([node, job.name], proxy.overflows[job.name])
+        yield from (connected, held, up, reconnects, held_bytes, overflows)

@@ -14,16 +14,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 import grpc
 
 from agent._proto import tasknet_pb2 as pb
-from agent._proto import tasknet_pb2_grpc as pb_grpc
+from agent.taskd.budget import ByteBudget
+from agent.taskd.frames import Frame, Malformed
 from agent.taskd.peers import Peer, PeerRefused, PeerResolver
 from agent.taskd.routes import (Code, Invalid, Position, RouteTable, checked_destination, checked_own_position,
-                                is_group)
+                                is_broadcast)
 from agent.taskd.upstream import MAX_MESSAGE, ManagerLink, NotDelivered
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,9 @@ DOWN_QUEUE = 256  # messages waiting for one worker's stream
 MAX_REGISTRATIONS = 5000  # per job (TaskD: per proxy)
 IDLE_JOB_S = 60.0  # a job with no connected process and nothing held is dropped after this
 JANITOR_S = 5.0
+BROADCAST_MEMORY_S = 5.0  # copies of one broadcast (same uuid) within this time are one message
+BROADCAST_MEMORY = 4096  # uuids remembered per job
+OVERFLOW_LOG_S = 60.0
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
     ("grpc.max_receive_message_length", MAX_MESSAGE),
@@ -46,23 +50,47 @@ SERVER_OPTIONS = [
 
 @dataclass(eq=False)
 class Downstream:
-    """A connected worker's InitServerDownStream: messages queued for it, sync acks awaited."""
+    """A connected worker's InitServerDownStream: messages queued for it, sync acks awaited.
+
+    Queued messages count against the job's byte budget until they are handed to gRPC."""
     pos: Position
     pid: int
-    queue: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(DOWN_QUEUE))
+    job: str
+    budget: ByteBudget
+    queue: deque = field(default_factory=deque)  # wire bytes of the messages, in order
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
     acks: dict[str, asyncio.Future] = field(default_factory=dict)
     closed: bool = False
+
+    def put(self, data: bytes) -> str:
+        """"" when queued; otherwise why not (TaskD's RecvBufBusy for the caller)."""
+        if len(self.queue) >= DOWN_QUEUE:
+            return f"{DOWN_QUEUE} messages already wait for the stream of {self.pos}"
+        why = self.budget.take(self.job, len(data))
+        if not why:
+            self.queue.append(data)
+            self.wake.set()
+        return why
+
+    async def next(self) -> bytes | None:
+        """The next message to send down, or None once closed."""
+        while not self.queue:
+            if self.closed:
+                return None
+            self.wake.clear()
+            await self.wake.wait()
+        data = self.queue.popleft()
+        self.budget.give(self.job, len(data))
+        return data
 
     def close(self) -> None:
         self.closed = True
         for future in self.acks.values():
             if not future.done():
                 future.set_result(None)
-        try:
-            self.queue.put_nowait(None)
-        except asyncio.QueueFull:
-            self.queue.get_nowait()
-            self.queue.put_nowait(None)
+        while self.queue:
+            self.budget.give(self.job, len(self.queue.popleft()))
+        self.wake.set()
 
 
 @dataclass(eq=False)
@@ -73,6 +101,7 @@ class Job:
     link: ManagerLink
     registered: set[Position] = field(default_factory=set)
     downstreams: dict[Position, Downstream] = field(default_factory=dict)
+    broadcasts: OrderedDict = field(default_factory=OrderedDict)  # uuid -> when first seen
     idle_since: float | None = None
 
     @property
@@ -80,14 +109,18 @@ class Job:
         return self.routes.me
 
 
-class TaskdProxy(pb_grpc.TaskNetServicer):
+class TaskdProxy:
     name = "taskd_proxy"
 
     def __init__(self, listen: str, manager_port: int, *, dial_timeout_s: float = 5.0, hold_s: float = 60.0,
-                 queue_limit: int = 1024, resolver: PeerResolver | None = None, clock=time.monotonic):
+                 queue_limit: int = 1024, job_bytes: int = 32 << 20, node_bytes: int = 64 << 20,
+                 resolver: PeerResolver | None = None, clock=time.monotonic):
         self._listen = listen
         self._manager_port = manager_port
         self._link_options = dict(dial_timeout_s=dial_timeout_s, hold_s=hold_s, queue_limit=queue_limit)
+        self.budget = ByteBudget(job_bytes, node_bytes)
+        self.overflows: Counter[str] = Counter()  # job -> messages refused for want of room
+        self._overflow_logged: dict[str, float] = {}
         self._resolver = resolver or PeerResolver()
         self._clock = clock
         self.jobs: dict[str, Job] = {}
@@ -102,7 +135,7 @@ class TaskdProxy(pb_grpc.TaskNetServicer):
 
     async def start(self) -> None:
         server = grpc.aio.server(options=SERVER_OPTIONS)
-        pb_grpc.add_TaskNetServicer_to_server(self, server)
+        server.add_generic_rpc_handlers((self._handlers(),))
         self.port = server.add_insecure_port(self._listen)
         if self.port == 0:
             raise OSError(f"taskd_proxy.listen {self._listen}: cannot bind (is a TaskD proxy of a hostNetwork "
@@ -123,6 +156,20 @@ class TaskdProxy(pb_grpc.TaskNetServicer):
         if self._server is not None:
             await self._server.stop(grace=1.0)
 
+    def _handlers(self) -> grpc.GenericRpcHandler:
+        # TaskNet's methods, with messages kept in their wire form (frames.py) in both directions.
+        ack = pb.Ack.SerializeToString
+        return grpc.method_handlers_generic_handler("TaskNet", {
+            "Register": grpc.unary_unary_rpc_method_handler(
+                self.Register, request_deserializer=pb.RegisterReq.FromString, response_serializer=ack),
+            "PathDiscovery": grpc.unary_unary_rpc_method_handler(
+                self.PathDiscovery, request_deserializer=pb.PathDiscoveryReq.FromString, response_serializer=ack),
+            "TransferMessage": grpc.unary_unary_rpc_method_handler(
+                self.TransferMessage, request_deserializer=None, response_serializer=ack),
+            "InitServerDownStream": grpc.stream_stream_rpc_method_handler(
+                self.InitServerDownStream, request_deserializer=pb.Ack.FromString, response_serializer=None),
+        })
+
     def readiness(self) -> tuple[bool, str]:
         return (self._server is not None, "" if self._server is not None else "not listening")
 
@@ -134,9 +181,11 @@ class TaskdProxy(pb_grpc.TaskNetServicer):
         except Invalid as exc:
             await _fail(context, exc.code, f"register: {exc}")
         job, peer = await self._job_of(context, pos.server_rank)
-        old = job.downstreams.get(pos)
+        old = job.downstreams.pop(pos, None)
         if old is not None:  # TaskD: registering again ends the position's old stream
-            old.close()
+            old.close()  # out of the table first, so its ending cannot undo this join's routes
+            if not job.downstreams and job.idle_since is None:
+                job.idle_since = self._clock()  # idle until the new stream opens
         if pos not in job.registered and len(job.registered) >= MAX_REGISTRATIONS:
             await _fail(context, Code.EXCEED_MAX_REGISTRY_NUM, f"job {job.name} has {MAX_REGISTRATIONS} registrations")
         if pos not in job.registered:
@@ -159,29 +208,45 @@ class TaskdProxy(pb_grpc.TaskNetServicer):
             await context.abort(exc.code(), exc.details(), exc.trailing_metadata() or ())
         return pb.Ack(uuid=request.uuid, code=Code.OK, src=job.me.pb())
 
-    async def TransferMessage(self, request: pb.Message, context) -> pb.Ack:
+    async def TransferMessage(self, raw: bytes, context) -> pb.Ack:
         try:
-            dst = checked_destination(request)
+            frame = Frame(raw)
+            dst = checked_destination(frame.header)
+        except Malformed as exc:
+            self.messages["up", "invalid"] += 1
+            await _fail(context, Code.NIL_MESSAGE, f"message does not parse: {exc}")
         except Invalid as exc:
             self.messages["up", "invalid"] += 1
-            await _fail(context, exc.code, f"message {request.header.uuid}: {exc}")
-        job, _ = await self._job_of(context, request.header.src.serverRank)
-        request.header.dst.CopyFrom(dst.pb())
+            await _fail(context, exc.code, f"message {frame.uuid}: {exc}")
+        header = frame.header
+        job, _ = await self._job_of(context, header.src.serverRank)
+        header.dst.CopyFrom(dst.pb())
         decision = job.routes.decide(dst, from_upper=False)
-        if decision.action == "up":
-            try:
-                ack = await job.link.send(request)
-            except NotDelivered as exc:
-                self.messages["up", "not_delivered"] += 1
-                await _fail(context, exc.code, f"message {request.header.uuid} not delivered: {exc}")
-            except grpc.aio.AioRpcError as exc:  # the manager's own answer, passed on as it is
-                self.messages["up", "refused"] += 1
-                await context.abort(exc.code(), exc.details(), exc.trailing_metadata() or ())
-            self.messages["up", "delivered"] += 1
+        if decision.action != "up":
+            ack = await self._route_down(job, frame, dst, decision, "local")
+            if ack.code != Code.OK and ack.src == job.me.pb():
+                await _fail(context, Code(ack.code), f"message {header.uuid} to {dst}: not delivered")
             return ack
-        ack = await self._route_down(job, request, dst, decision, "local")
-        if ack.code != Code.OK and ack.src == job.me.pb():
-            await _fail(context, Code(ack.code), f"message {request.header.uuid} to {dst}: not delivered")
+        data = frame.wire()
+        why = self.budget.take(job.name, len(data))  # held until the manager answered
+        if why:
+            self._overflow(job, "up", why)
+            reason = f"message {header.uuid} not taken: {why}"
+            raw = frame = data = None  # noqa: F841 - the abort's traceback must not keep megabytes alive
+            await _fail(context, Code.RECV_BUF_BUSY, reason)
+        try:
+            ack = await job.link.send(data)
+        except NotDelivered as exc:
+            self.messages["up", "not_delivered"] += 1
+            if exc.code == Code.RECV_BUF_BUSY:
+                self._overflow(job, "up", str(exc))
+            await _fail(context, exc.code, f"message {header.uuid} not delivered: {exc}")
+        except grpc.aio.AioRpcError as exc:  # the manager's own answer, passed on as it is
+            self.messages["up", "refused"] += 1
+            await context.abort(exc.code(), exc.details(), exc.trailing_metadata() or ())
+        finally:
+            self.budget.give(job.name, len(data))
+        self.messages["up", "delivered"] += 1
         return ack
 
     async def InitServerDownStream(self, request_iterator, context):
@@ -193,21 +258,18 @@ class TaskdProxy(pb_grpc.TaskNetServicer):
         old = job.downstreams.get(pos)
         if old is not None:
             old.close()
-        downstream = Downstream(pos, peer.pid)
+        downstream = Downstream(pos, peer.pid, job.name, self.budget)
         job.downstreams[pos] = downstream
         await context.send_initial_metadata((("tasknet-stream", "accepted"),))  # lets the worker know now
         job.idle_since = None
         reader = asyncio.create_task(self._read_acks(downstream, request_iterator))
         try:
-            while True:
-                message = await downstream.queue.get()
-                if message is None:
-                    break
+            while (message := await downstream.next()) is not None:
                 yield message
         finally:
             reader.cancel()
             downstream.close()
-            if job.downstreams.get(pos) is downstream:
+            if job.downstreams.get(pos) is downstream:  # not already replaced by a new join
                 del job.downstreams[pos]
                 gone = job.routes.forget(pos)
                 job.link.forget(gone + [pos])
@@ -229,34 +291,49 @@ class TaskdProxy(pb_grpc.TaskNetServicer):
 
     # --- routing -------------------------------------------------------------------------------
 
-    async def _from_manager(self, job: Job, message: pb.Message) -> pb.Ack:
-        uid = message.header.uuid
+    async def _from_manager(self, job: Job, frame: Frame) -> pb.Ack | None:
+        uid = frame.uuid
         try:
-            dst = checked_destination(message)
+            dst = checked_destination(frame.header)
         except Invalid as exc:
             self.messages["down", "invalid"] += 1
             return pb.Ack(uuid=uid, code=exc.code, src=job.me.pb())
-        message.header.dst.CopyFrom(dst.pb())
-        return await self._route_down(job, message, dst, job.routes.decide(dst, from_upper=True), "down")
+        if is_broadcast(dst) and self._seen_broadcast(job, uid):
+            # TaskD's manager sends a broadcast once per matching route, so N workers behind this
+            # proxy bring N copies; each worker gets the message once.
+            self.messages["down", "duplicate"] += 1
+            return None
+        frame.header.dst.CopyFrom(dst.pb())
+        return await self._route_down(job, frame, dst, job.routes.decide(dst, from_upper=True), "down")
 
-    async def _route_down(self, job: Job, message: pb.Message, dst: Position, decision, direction: str) -> pb.Ack:
-        uid = message.header.uuid
+    def _seen_broadcast(self, job: Job, uid: str) -> bool:
+        now, seen = self._clock(), job.broadcasts
+        while seen and (len(seen) >= BROADCAST_MEMORY or now - next(iter(seen.values())) > BROADCAST_MEMORY_S):
+            seen.popitem(last=False)
+        if uid in seen:
+            return True
+        seen[uid] = now
+        return False
+
+    async def _route_down(self, job: Job, frame: Frame, dst: Position, decision, direction: str) -> pb.Ack:
+        uid = frame.uuid
         if decision.action == "self":
             self.messages[direction, "delivered"] += 1
             return pb.Ack(uuid=uid, code=Code.OK, src=job.me.pb())
         if decision.action == "reject":
             self.messages[direction, "no_route"] += 1
             return pb.Ack(uuid=uid, code=decision.code, src=job.me.pb())
-        if is_group(dst):
-            message.header.sync = False  # TaskD: broadcasts are never synchronous
-            codes = [self._push(job, hop, message) for hop in decision.hops]
+        if is_broadcast(dst):
+            frame.header.sync = False  # TaskD: broadcasts are never synchronous
+            data = frame.wire()  # one copy for every hop
+            codes = [self._push(job, hop, data, direction) for hop in decision.hops]
             failed = [c for c in codes if c != Code.OK]
             self.messages[direction, "delivered"] += len(codes) - len(failed)
             self.messages[direction, "not_delivered"] += len(failed)
             return pb.Ack(uuid=uid, code=failed[0] if failed else Code.OK, src=job.me.pb())
         hop = decision.hops[0]
-        code = self._push(job, hop, message)
-        if code != Code.OK or not message.header.sync:
+        code = self._push(job, hop, frame.wire(), direction)
+        if code != Code.OK or not frame.header.sync:
             self.messages[direction, "delivered" if code == Code.OK else "not_delivered"] += 1
             return pb.Ack(uuid=uid, code=code, src=job.me.pb())
         downstream = job.downstreams[hop]
@@ -275,15 +352,25 @@ class TaskdProxy(pb_grpc.TaskNetServicer):
         self.messages[direction, "delivered"] += 1
         return ack
 
-    def _push(self, job: Job, hop: Position, message: pb.Message) -> Code:
+    def _push(self, job: Job, hop: Position, data: bytes, direction: str) -> Code:
         downstream = job.downstreams.get(hop)
         if downstream is None or downstream.closed:
             return Code.NET_STREAM_NOT_INITED if hop in job.registered else Code.NO_ROUTE
-        try:
-            downstream.queue.put_nowait(message)
-        except asyncio.QueueFull:
+        why = downstream.put(data)
+        if why:
+            self._overflow(job, direction, why)
             return Code.RECV_BUF_BUSY
         return Code.OK
+
+    def _overflow(self, job: Job, direction: str, why: str) -> None:
+        self.overflows[job.name] += 1
+        now = self._clock()
+        last = self._overflow_logged.get(job.name)
+        if last is None or now - last >= OVERFLOW_LOG_S:
+            self._overflow_logged[job.name] = now
+            log.warning("TaskD proxy refused a message: no room (RecvBufBusy 5001)", extra={
+                "job": job.name, "direction": direction, "reason": why,
+                "refused_so_far": self.overflows[job.name]})
 
     # --- which job -----------------------------------------------------------------------------
 
@@ -331,14 +418,21 @@ class TaskdProxy(pb_grpc.TaskNetServicer):
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(JANITOR_S)
-            now = self._clock()
-            for job in list(self.jobs.values()):
-                if job.downstreams or job.link.held or job.idle_since is None or now - job.idle_since < IDLE_JOB_S:
-                    continue
-                del self.jobs[job.name]
-                await job.link.close()
-                log.info("TaskD job gone from this node; manager link closed", extra={"job": job.name})
-            self._resolver.forget_closed()
+            try:
+                await self._drop_idle_jobs()
+            except Exception:  # logged; the next round tries again
+                log.exception("TaskD proxy janitor round failed")
+
+    async def _drop_idle_jobs(self) -> None:
+        now = self._clock()
+        for job in list(self.jobs.values()):
+            if job.downstreams or job.link.held or job.idle_since is None or now - job.idle_since < IDLE_JOB_S:
+                continue
+            del self.jobs[job.name]
+            self._overflow_logged.pop(job.name, None)
+            await job.link.close()
+            log.info("TaskD job gone from this node; manager link closed", extra={"job": job.name})
+        self._resolver.forget_closed()
 
 
 async def _fail(context, code: Code, reason: str):

@@ -75,11 +75,10 @@ def _ranks(text: str, code: Code, what: str) -> str:
     raise Invalid(code, f"destination {what} {text!r} is not a list of ranks or All")
 
 
-def checked_destination(message: pb.Message) -> Position:
-    """The message's destination as TaskD normalises it, or `Invalid` with TaskD's code."""
-    if not message.HasField("header"):
+def checked_destination(header: pb.MessageHeader | None) -> Position:
+    """A message's destination as TaskD normalises it, or `Invalid` with TaskD's code."""
+    if header is None:
         raise Invalid(Code.NIL_HEADER, "message has no header")
-    header = message.header
     if not header.HasField("src") or not header.HasField("dst"):
         raise Invalid(Code.NIL_POSITION, "message has no source or destination position")
     dst = Position.of(header.dst)
@@ -105,12 +104,13 @@ def checked_own_position(pos: Position) -> Position:
 
 
 def _matches(pattern: str, rank: str) -> bool:
-    return pattern == ALL or rank in pattern.split(",")
+    # TaskD compares ranks as whole strings or "All"; no hop splits a list: "0,1" matches no rank.
+    return pattern == ALL or pattern == rank
 
 
-def is_group(dst: Position) -> bool:
-    """Broadcast ("All") or a list of ranks: delivered to every match, never synchronously."""
-    return any(r == ALL or "," in r for r in (dst.server_rank, dst.process_rank))
+def is_broadcast(dst: Position) -> bool:
+    """`All` in either rank: one copy to every matching route, never synchronously (TaskD §3.5)."""
+    return ALL in (dst.server_rank, dst.process_rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,11 +146,14 @@ class RouteTable:
             if from_upper:
                 return Decision("reject", code=Code.NO_ROUTE)  # never back to where it came from
             return Decision("up")
-        if is_group(dst):
+        if is_broadcast(dst):
             hops = {via: None for pos, via in self.routes.items() if pos.role == dst.role
                     and _matches(dst.server_rank, pos.server_rank)
                     and (pos.role != "Worker" or _matches(dst.process_rank, pos.process_rank))}
+            if not hops:  # TaskD answers 0 for a broadcast that reaches nobody; we do not
+                return Decision("reject", code=Code.NO_ROUTE)
             return Decision("down", tuple(hops))
+        # A unicast, or a rank list, which TaskD looks up as one key: a list finds no route.
         via = self.routes.get(dst)
         if via is None:
             return Decision("reject", code=Code.NO_ROUTE)

@@ -6,6 +6,10 @@ a bounded queue that keeps messages in order while the manager is unreachable (e
 for the manager's ack, or is told "not delivered" when the queue is full or its deadline passes),
 and, after every reconnect, a path discovery for every worker still connected, so a restarted
 manager can reach them without waiting for the workers to notice.
+
+A worker's path discovery is answered at once and never lost: the position joins `known`, and every
+connection announces each known position exactly until the manager has acknowledged it — whether
+it arrived before the link, while the link was being set up, or after.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import grpc
 
 from agent._proto import tasknet_pb2 as pb
 from agent._proto import tasknet_pb2_grpc as pb_grpc
+from agent.taskd.frames import Frame, Malformed
 from agent.taskd.routes import Code, Position
 
 log = logging.getLogger(__name__)
@@ -54,7 +59,7 @@ class LinkDown(Exception):
 
 @dataclass(eq=False)
 class Held:
-    message: pb.Message
+    message: bytes  # on the wire, as it goes to the manager
     future: asyncio.Future
     sending: bool = False
 
@@ -63,11 +68,12 @@ class Held:
 class LinkCounters:
     connects: int = 0  # links established (registration and path replay done)
     held_delivered: int = 0  # messages delivered after waiting for the manager
+    malformed: int = 0  # messages from the manager that did not parse
 
 
 class ManagerLink:
     def __init__(self, job: str, address: str, me: Position, *,
-                 on_message: Callable[[pb.Message], Awaitable[pb.Ack | None]],
+                 on_message: Callable[[Frame], Awaitable[pb.Ack | None]],
                  dial_timeout_s: float = 5.0, hold_s: float = 60.0, queue_limit: int = 1024,
                  rpc_timeout_s: float = 30.0):
         self.job = job
@@ -75,7 +81,8 @@ class ManagerLink:
         self.me = me
         self.connected = False
         self.held: deque[Held] = deque()
-        self.known: dict[Position, None] = {}  # level-1 positions announced upstream, in order
+        self.known: dict[Position, None] = {}  # level-1 positions below, announced on every connection
+        self._announced: set[Position] = set()  # those the current connection's manager acknowledged
         self.counters = LinkCounters()
         self._on_message = on_message
         self._dial_timeout_s = dial_timeout_s
@@ -83,6 +90,7 @@ class ManagerLink:
         self._limit = queue_limit
         self._rpc_timeout_s = rpc_timeout_s
         self._stub: pb_grpc.TaskNetStub | None = None
+        self._transfer = None  # TransferMessage on the current channel, taking the message's wire bytes
         self._call = None
         self._kicked = False
         self._down_reason = ""
@@ -106,11 +114,12 @@ class ManagerLink:
             if not entry.future.done():
                 entry.future.set_exception(NotDelivered(Code.SERVER_ERR, "the node proxy is stopping"))
 
-    async def send(self, message: pb.Message) -> pb.Ack:
-        """The manager's ack; raises grpc.aio.AioRpcError (the manager's own error) or NotDelivered."""
+    async def send(self, message: bytes) -> pb.Ack:
+        """Deliver a message (its wire bytes) to the manager: the manager's ack; raises
+        grpc.aio.AioRpcError (the manager's own error) or NotDelivered."""
         if self.connected and not self.held:
             try:
-                return await self._stub.TransferMessage(message, timeout=self._rpc_timeout_s)
+                return await self._transfer(message, timeout=self._rpc_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
@@ -122,9 +131,11 @@ class ManagerLink:
         for pos in positions:
             self.known[pos] = None
         if not self.connected:
-            return
+            return  # the join in progress, or the next one, announces it
+        announced = self._announced  # this connection's: a reconnect meanwhile starts a new set
         try:
             await self._stub.PathDiscovery(self._discovery(request.uuid, positions), timeout=self._rpc_timeout_s)
+            announced.update(positions)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self._lost(f"path discovery failed: {exc.details()}")
@@ -137,7 +148,7 @@ class ManagerLink:
 
     # --- holding -------------------------------------------------------------------------------
 
-    async def _hold(self, message: pb.Message) -> pb.Ack:
+    async def _hold(self, message: bytes) -> pb.Ack:
         if len(self.held) >= self._limit:
             raise NotDelivered(Code.RECV_BUF_BUSY, f"{len(self.held)} messages already wait for the manager "
                                                    f"{self.address} of job {self.job}")
@@ -162,13 +173,13 @@ class ManagerLink:
         except ValueError:
             pass
 
-    async def _flush(self, stub: pb_grpc.TaskNetStub) -> None:
+    async def _flush(self, transfer) -> None:
         """Held messages go first and in order; messages sent meanwhile queue up behind them."""
         while self.held:
             entry = self.held[0]
             entry.sending = True
             try:
-                ack = await stub.TransferMessage(entry.message, timeout=self._rpc_timeout_s)
+                ack = await transfer(entry.message, timeout=self._rpc_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 entry.sending = False
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
@@ -190,6 +201,14 @@ class ManagerLink:
     def _discovery(self, uid: str, positions: list[Position]) -> pb.PathDiscoveryReq:
         # What TaskD's proxy forwards: itself as the next hop and appended to the path.
         return pb.PathDiscoveryReq(uuid=uid, proxyPos=self.me.pb(), path=[p.pb() for p in positions] + [self.me.pb()])
+
+    async def _announce_known(self, stub: pb_grpc.TaskNetStub) -> None:
+        """Announce every known position this connection's manager has not acknowledged yet,
+        including those that arrive while this runs."""
+        while pending := [pos for pos in self.known if pos not in self._announced]:
+            for pos in pending:
+                await stub.PathDiscovery(self._discovery(str(uuid.uuid4()), [pos]), timeout=self._rpc_timeout_s)
+                self._announced.add(pos)
 
     def _lost(self, why: str) -> None:
         """A send saw the manager gone: drop the stream so the link reconnects and flushes."""
@@ -219,9 +238,13 @@ class ManagerLink:
                         "job": self.job, "manager": self.address, "reason": reason, "held": len(self.held),
                         "retry_every_s": BACKOFF_MAX_S})
                 was_up = False
+            except Exception:  # a bug must not end the job's link for good: log it and reconnect
+                log.exception("TaskD manager link failed unexpectedly; reconnecting", extra={
+                    "job": self.job, "manager": self.address})
+                was_up = False
             finally:
                 self.connected = False
-                self._stub = self._call = None
+                self._stub = self._call = self._transfer = None
                 self._kicked, self._down_reason = False, ""
                 await channel.close(grace=None)
             await asyncio.sleep(backoff)
@@ -234,24 +257,38 @@ class ManagerLink:
                                   timeout=self._rpc_timeout_s)
         if ack.code != Code.OK:
             raise LinkDown(f"the manager refused the registration with code {ack.code}")
-        for pos in list(self.known):
-            await stub.PathDiscovery(self._discovery(str(uuid.uuid4()), [pos]), timeout=self._rpc_timeout_s)
+        self._announced = set()  # a new manager, or a restarted one, knows nobody
+        await self._announce_known(stub)
         me = self.me
-        self._call = stub.InitServerDownStream(
-            metadata=(("role", me.role), ("serverrank", me.server_rank), ("processrank", me.process_rank)))
-        await self._flush(stub)
-        self._stub = stub
+        # Messages in both directions stay in their wire form (frames.py): no body is parsed here.
+        transfer = channel.unary_unary("/TaskNet/TransferMessage", request_serializer=None,
+                                       response_deserializer=pb.Ack.FromString)
+        down = channel.stream_stream("/TaskNet/InitServerDownStream", request_serializer=pb.Ack.SerializeToString,
+                                     response_deserializer=None)
+        self._call = down(metadata=(("role", me.role), ("serverrank", me.server_rank),
+                                    ("processrank", me.process_rank)))
+        await self._flush(transfer)
+        self._stub, self._transfer = stub, transfer
         self.connected = True
+        # Workers that joined while the stream opened and the held messages went out.
+        await self._announce_known(stub)
         self.counters.connects += 1
 
     async def _listen(self) -> None:
         call = self._call
         try:
             while True:
-                message = await call.read()
-                if message is grpc.aio.EOF:
+                raw = await call.read()
+                if raw is grpc.aio.EOF:
                     raise LinkDown("the manager closed the stream")
-                task = asyncio.create_task(self._deliver(call, message))
+                try:
+                    frame = Frame(raw)
+                except Malformed as exc:
+                    self.counters.malformed += 1
+                    log.warning("message from the TaskD manager does not parse; dropped", extra={
+                        "job": self.job, "manager": self.address, "error": str(exc), "bytes": len(raw)})
+                    continue
+                task = asyncio.create_task(self._deliver(call, frame))
                 self._deliveries.add(task)
                 task.add_done_callback(self._deliveries.discard)
         except asyncio.CancelledError:
@@ -259,9 +296,9 @@ class ManagerLink:
                 raise LinkDown(self._down_reason) from None
             raise
 
-    async def _deliver(self, call, message: pb.Message) -> None:
-        ack = await self._on_message(message)
-        if ack is None or not message.header.sync:
+    async def _deliver(self, call, frame: Frame) -> None:
+        ack = await self._on_message(frame)
+        if ack is None or frame.header is None or not frame.header.sync:  # a broadcast is made async on its way
             return
         try:
             async with self._write_lock:

@@ -5,7 +5,9 @@
     start_taskd_worker()            # background thread: switch file -> mspti, records -> files
 
 Records go to `<root>/<MINDX_TASK_ID>/<rank>/<10-digit unix seconds>` in TaskD's format, nothing is
-collected until the switch file turns the default domain on. The native extension `agent._native`
+collected until the switch turns the default domain on: the switch file, polled every second, or -
+in a TaskD job with a manager (`tasknet.enabled`) once the worker has registered with it - the
+manager's commands over TaskNet (`agent.worker.tasknet`). The native extension `agent._native`
 does the collecting when it is built; otherwise a ctypes collector with the same output does
 (`implementation()`). `NPU_AGENT_WORKER_IMPL=python` forces the ctypes one.
 """
@@ -19,6 +21,7 @@ import shutil
 import subprocess
 import threading
 
+from agent.worker import tasknet
 from agent.worker.runtime import Worker, job_id, profiling_root, switch_path
 
 log = logging.getLogger("agent.worker")
@@ -112,15 +115,18 @@ def init_taskd_worker(rank_id, upper_limit_of_disk_in_mb=5000, framework="pt") -
         except Exception as exc:  # OSError for a missing symbol; anything else must not stop training either
             log.error("profiling disabled: %s", exc)
             return False
+        manager = tasknet.client_from_env(rank_id)
         _worker = Worker(rank_id, upper_limit_of_disk_in_mb, collector, root=profiling_root(), job=job_id,
-                         switch_path=switch_path(), implementation=impl)
-        log.info("profiling worker ready: rank %s, %s collector, library %s, framework %s",
-                 rank_id, impl, path, framework)
+                         switch_path=switch_path(), implementation=impl, manager=manager)
+        log.info("profiling worker ready: rank %s, %s collector, library %s, framework %s, switch: %s",
+                 rank_id, impl, path, framework,
+                 "file" if manager is None else f"TaskD manager via {manager.address}, file until registered")
         return True
 
 
 def start_taskd_worker() -> bool:
-    """Start the background thread (after `init_taskd_worker`); stops and writes the rest at exit."""
+    """Start the background thread (after `init_taskd_worker`), and the TaskD manager client when the
+    process is in a TaskD job with a manager; stops them and writes the rest at exit."""
     global _atexit_registered
     with _lock:
         worker = _worker

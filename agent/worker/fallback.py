@@ -11,7 +11,9 @@ Same API and the same output, byte for byte, as `agent._native.Collector`:
   the pool; the lines wait in a queue bounded by `ring_bytes` (past it records are dropped, counted);
   the time spent in it is counted (`complete_ns`, `complete_max_ns`);
 * `drain()` hands over the complete lines gathered since the last drain (the native collector can
-  also write them to a file itself, `drain_to`; this one cannot, and `agent.worker` writes the bytes).
+  also write them to a file itself, `drain_to`; this one cannot, and `agent.worker` writes the bytes);
+* `set_switch(default_on, comm_on)` makes TaskD's MSPTI calls and returns each domain's result
+  (0 off, 1 on, 2 exception: one of that domain's calls failed), as TaskD reports them to its manager.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from agent.worker import jsonlines
 
 MSPTI_SUCCESS = 0
 MSPTI_ERROR_MAX_LIMIT_REACHED = 3
+SWITCH_OFF, SWITCH_ON, SWITCH_EXCEPTION = 0, 1, 2  # a domain's result, as TaskD's STATUS reports it
 KIND_MARKER, KIND_KERNEL, KIND_API = 1, 2, 3
 COMM_DOMAIN = b"communication"
 
@@ -207,31 +210,43 @@ class Collector:
 
     # -- API ---------------------------------------------------------------------------------------
 
-    def set_switch(self, default_on: bool, comm_on: bool) -> None:
-        """`taskd.md` §2.4: the default domain (MARKER kind, subscriber slot), then the comm domain."""
-        if self._closed:
-            raise ValueError("Collector is closed")
-        self._apply(bool(default_on), bool(comm_on))
+    def set_switch(self, default_on: bool, comm_on: bool) -> tuple[int, int]:
+        """`taskd.md` §2.4: the default domain (MARKER kind, subscriber slot), then the comm domain.
 
-    def _apply(self, default_on: bool, comm_on: bool) -> None:
-        lib = self._lib
+        Returns `(default_result, comm_result)`, each SWITCH_OFF, SWITCH_ON or SWITCH_EXCEPTION (an
+        MSPTI call of that domain did not return success), the per-domain results TaskD reports."""
         with self._switch_lock:
-            if default_on:
-                if not self._subscribed:
-                    # NULL callback: only the subscriber slot is claimed, as TaskD does
-                    if lib.msptiSubscribe(ctypes.byref(self._subscriber), None, None) == MSPTI_SUCCESS:
-                        self._subscribed = True
-                lib.msptiActivityEnable(KIND_MARKER)
-            else:
-                for kind in (KIND_MARKER, KIND_KERNEL, KIND_API):
-                    lib.msptiActivityDisable(kind)
-                if self._subscribed:
-                    lib.msptiUnsubscribe(self._subscriber)
-                    self._subscribed = False
-            if comm_on:
-                lib.msptiActivityEnableMarkerDomain(COMM_DOMAIN)
-            else:
-                lib.msptiActivityDisableMarkerDomain(COMM_DOMAIN)
+            if self._closing:
+                raise ValueError("Collector is closed")
+            return self._apply(bool(default_on), bool(comm_on))
+
+    def _apply(self, default_on: bool, comm_on: bool) -> tuple[int, int]:
+        """The switch sequence (self._switch_lock held); the calls made never depend on the results."""
+        lib = self._lib
+        ok = True
+        if default_on:
+            if not self._subscribed:
+                # NULL callback: only the subscriber slot is claimed, as TaskD does
+                if lib.msptiSubscribe(ctypes.byref(self._subscriber), None, None) == MSPTI_SUCCESS:
+                    self._subscribed = True
+                else:
+                    ok = False  # e.g. another profiler holds MSPTI's only subscriber slot
+            if lib.msptiActivityEnable(KIND_MARKER) != MSPTI_SUCCESS:
+                ok = False
+        else:
+            for kind in (KIND_MARKER, KIND_KERNEL, KIND_API):
+                if lib.msptiActivityDisable(kind) != MSPTI_SUCCESS:
+                    ok = False
+            if self._subscribed:
+                if lib.msptiUnsubscribe(self._subscriber) != MSPTI_SUCCESS:
+                    ok = False
+                self._subscribed = False
+        if comm_on:
+            comm_ok = lib.msptiActivityEnableMarkerDomain(COMM_DOMAIN) == MSPTI_SUCCESS
+        else:
+            comm_ok = lib.msptiActivityDisableMarkerDomain(COMM_DOMAIN) == MSPTI_SUCCESS
+        return (int(default_on) if ok else SWITCH_EXCEPTION,
+                int(comm_on) if comm_ok else SWITCH_EXCEPTION)
 
     def drain(self) -> bytes:
         with self._lock:
@@ -251,8 +266,11 @@ class Collector:
             if self._closing:
                 return
             self._closing = True
+            try:
+                self._apply(False, False)
+            except Exception:
+                pass
         try:
-            self._apply(False, False)
             self._lib.msptiActivityFlushAll(1)
         except Exception:
             pass

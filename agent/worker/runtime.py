@@ -1,10 +1,16 @@
-"""The worker's state: a collector, the switch file, a rank writer, and the thread that ties them.
+"""The worker's state: a collector, the switch, a rank writer, and the thread that ties them.
 
 Every `interval` (1 s) the background thread polls the switch file (a change, or the first valid
-read, calls `collector.set_switch`), then `collector.flush()` and appends the waiting lines to the
-rank's file: the native collector writes them from its own buffer (`RankWriter.write_from`), the
-Python one hands them over as bytes (`drain()`, `RankWriter.write`). `stop()` (the atexit hook)
-ends the thread, does a last flush and write, and closes the collector; it never raises.
+read, is applied), then `collector.flush()` and appends the waiting lines to the rank's file: the
+native collector writes them from its own buffer (`RankWriter.write_from`), the Python one hands
+them over as bytes (`drain()`, `RankWriter.write`). `stop()` (the atexit hook) stops the TaskD
+manager client, ends the thread, does a last flush and write, and closes the collector; it never
+raises.
+
+The switch has two sources, applied by one method (`apply_switch`) so they behave alike: the file,
+and in manager mode (`agent.worker.tasknet`) the TaskD manager's ACTION commands. Once the worker
+has registered with a manager the file is no longer read; the manager's first command is always
+applied, later ones only when they differ from the one in force.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ import time
 from agent.worker.switch import ALL_OFF, MAX_BYTES, parse_switch
 from agent.worker.writer import RankWriter
 
+SWITCH_OFF, SWITCH_ON, SWITCH_EXCEPTION = 0, 1, 2  # a domain's result (collector.set_switch)
+_RESULT_WORDS = {SWITCH_OFF: "off", SWITCH_ON: "on", SWITCH_EXCEPTION: "exception"}
+
 log = logging.getLogger("agent.worker")
 
 DEFAULT_ROOT = "/user/cluster-info/profiling"
@@ -28,8 +37,9 @@ ERROR_LOG_EVERY = 60.0
 class Worker:
     def __init__(self, rank: int, limit_mb: int, collector, *, root: str, job, switch_path: str,
                  interval: float = 1.0, implementation: str = "python", clock=time.time,
-                 monotonic=time.monotonic) -> None:
-        """`job` is the job folder name, or a callable giving it at the first write."""
+                 monotonic=time.monotonic, manager=None) -> None:
+        """`job` is the job folder name, or a callable giving it at the first write; `manager` a
+        `tasknet.ManagerClient` (not started) for TaskD's manager-driven switch, or None."""
         self.rank = rank
         self.limit_mb = limit_mb
         self.collector = collector
@@ -43,7 +53,12 @@ class Worker:
         self._monotonic = monotonic
         self.writer: RankWriter | None = None
         self.state = ALL_OFF
+        self.results = (SWITCH_OFF, SWITCH_OFF)  # of the last apply
         self._applied = False
+        self.manager = manager
+        self.manager_mode = False  # registered: the manager drives the switch, the file is not read
+        self._switch_lock = threading.Lock()  # the switch and the collector's close (after _tick_lock)
+        self._closed = False
         self.switch_changes = 0
         self.switch_errors = 0
         self._switch_logged = None
@@ -59,6 +74,8 @@ class Worker:
     # -- the switch --------------------------------------------------------------------------------
 
     def poll_switch(self) -> None:
+        if self.manager_mode:
+            return
         try:
             with open(self.switch_path, "rb") as handle:
                 data = handle.read(MAX_BYTES)
@@ -78,15 +95,52 @@ class Worker:
             self._switch_warning(f"profiling switch {self.switch_path} is not valid; keeping the previous state")
             return
         self._missing_logged = False
-        if self._applied and state == self.state:
-            return
-        self.collector.set_switch(*state)
-        if state != self.state or not self._applied:
-            log.info("profiling switch: default domain %s, communication %s",
-                     "on" if state[0] else "off", "on" if state[1] else "off")
-        self._applied = True
-        self.state = state
-        self.switch_changes += 1
+        self.apply_switch(state, "file")
+
+    def apply_switch(self, state: tuple[bool, bool], source: str) -> tuple[int, int] | None:
+        """Apply `(default_on, comm_on)` from `source` ("file" or "manager") unless it is the
+        command in force already: the per-domain results (0 off, 1 on, 2 exception), or None when
+        nothing was done (the same command again, the file while the manager drives, or closed).
+        An exception of the collector propagates, and the command counts as not applied."""
+        state = (bool(state[0]), bool(state[1]))
+        with self._switch_lock:
+            if self._closed or (source == "file" and self.manager_mode):
+                return None
+            if self._applied and state == self.state:
+                return None
+            results = _results(self.collector.set_switch(*state), state)
+            words = [_RESULT_WORDS.get(r, str(r)) for r in results]
+            if SWITCH_EXCEPTION in results:
+                log.warning("profiling switch (%s): default domain %s, communication %s (asked: %s, %s); an "
+                            "MSPTI call failed, e.g. another profiler holds MSPTI's only subscriber slot",
+                            source, *words, "on" if state[0] else "off", "on" if state[1] else "off")
+            else:
+                log.info("profiling switch (%s): default domain %s, communication %s", source, *words)
+            self._applied = True
+            self.state = state
+            self.results = results
+            self.switch_changes += 1
+            return results
+
+    # -- the TaskD manager (called from the manager client's thread) ----------------------------------
+
+    def manager_registered(self) -> None:
+        """Registered with the manager: from now on it alone drives the switch; its first command is
+        applied whatever the file did before."""
+        with self._switch_lock:
+            if self.manager_mode:
+                return
+            self.manager_mode = True
+            self._applied = False
+        log.info("profiling switch: the TaskD manager drives it now; %s is no longer read", self.switch_path)
+
+    def manager_action(self, state: tuple[bool, bool]) -> tuple[int, int] | None:
+        """An ACTION: the results to report, or None when nothing was applied (no STATUS then)."""
+        try:
+            return self.apply_switch(state, "manager")
+        except Exception as exc:  # noqa: BLE001 - reported to the manager as an exception of both domains
+            log.warning("profiling switch (manager): the collector failed: %s: %s", type(exc).__name__, exc)
+            return (SWITCH_EXCEPTION, SWITCH_EXCEPTION)
 
     def _switch_warning(self, message: str) -> None:
         now = self._monotonic()
@@ -137,6 +191,11 @@ class Worker:
             return self._thread is not None and not self._stopped
         self._thread = threading.Thread(target=self._run, name="npu-agent-profiling", daemon=True)
         self._thread.start()
+        if self.manager is not None:
+            try:
+                self.manager.start(self)
+            except Exception as exc:  # noqa: BLE001 - the file keeps working without it
+                log.error("TaskD manager mode not started: %s: %s", type(exc).__name__, exc)
         return True
 
     def _run(self) -> None:
@@ -150,6 +209,11 @@ class Worker:
                 return
             self._stopped = True
             self._stop.set()
+            if self.manager is not None:
+                try:
+                    self.manager.stop()
+                except Exception:
+                    pass
             thread = self._thread
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout)
@@ -159,7 +223,9 @@ class Worker:
                 except Exception as exc:
                     log.warning("profiling worker: last write failed: %s: %s", type(exc).__name__, exc)
                 try:
-                    self.collector.close()  # switches off and flushes; what that completes...
+                    with self._switch_lock:
+                        self._closed = True
+                        self.collector.close()  # switches off and flushes; what that completes...
                     self._write_waiting()  # ...is handed over here
                 except Exception as exc:
                     log.warning("profiling worker: closing the collector failed: %s: %s", type(exc).__name__, exc)
@@ -174,7 +240,14 @@ class Worker:
         out = {"implementation": self.implementation, "rank": self.rank, "running": self.running,
                "switch_default_on": self.state[0], "switch_comm_on": self.state[1],
                "switch_changes": self.switch_changes, "switch_errors": self.switch_errors,
-               "ticks": self.ticks, "tick_errors": self.tick_errors}
+               "switch_results": list(self.results), "ticks": self.ticks, "tick_errors": self.tick_errors,
+               "manager_mode": self.manager_mode, "manager_enabled": self.manager is not None,
+               "manager_registered": False, "actions": 0, "statuses_sent": 0}
+        if self.manager is not None:
+            try:
+                out.update(self.manager.stats())
+            except Exception:
+                pass
         try:
             out.update(self.collector.counters())
         except Exception:
@@ -184,6 +257,14 @@ class Worker:
             out.update(writer.stats())
             out["rank_dir"] = writer.rank_dir
         return out
+
+
+def _results(value, state: tuple[bool, bool]) -> tuple[int, int]:
+    """A collector's set_switch result; a collector that returns nothing succeeded as asked."""
+    if value is None:
+        return (int(state[0]), int(state[1]))
+    default, comm = value
+    return (int(default), int(comm))
 
 
 def profiling_root() -> str:

@@ -324,21 +324,21 @@ def test_api_and_kernel_records(open_collector, lib):
 def test_switch_semantics(open_collector, lib):
     c = open_collector()
     state = lib.fake_mspti_state
-    c.set_switch(False, False)
+    assert c.set_switch(False, False) == (0, 0)
     assert state() & ((1 << 33) | (1 << 32) | (1 << MARKER)) == 0
     lib.fake_mspti_emit(100, b"step 1", b"default", 2, 0)
     lib.fake_mspti_emit(100, b"{}", b"communication", 2, 0)
     assert settle(c, lib) == b""
     assert lib.fake_mspti_filtered() == 200
 
-    c.set_switch(True, False)  # default on, comm off
+    assert c.set_switch(True, False) == (1, 0)  # default on, comm off
     assert state() & (1 << 33) and state() & (1 << MARKER) and not state() & (1 << 32)
     lib.fake_mspti_emit(100, b"step 1", b"default", 2, 0)
     lib.fake_mspti_emit(100, b"{}", b"communication", 2, 0)
     recs = parse(settle(c, lib))
     assert len(recs) == 100 and {r["Domain"] for r in recs} == {"default"}
 
-    c.set_switch(True, True)  # subscribing again is skipped, comm on
+    assert c.set_switch(True, True) == (1, 1)  # subscribing again is skipped, comm on
     assert state() & (1 << 33) and state() & (1 << 32)
     lib.fake_mspti_emit(100, b"step 1", b"default", 2, 0)
     lib.fake_mspti_emit(100, b"{}", b"communication", 2, 0)
@@ -346,11 +346,60 @@ def test_switch_semantics(open_collector, lib):
     assert len(recs) == 200 and sorted({r["Domain"] for r in recs}) == ["communication", "default"]
 
     assert lib.msptiActivityEnable(API) == 0 and lib.msptiActivityEnable(KERNEL) == 0
-    c.set_switch(False, True)  # off: MARKER, KERNEL, API disabled and unsubscribed
+    assert c.set_switch(False, True) == (0, 1)  # off: MARKER, KERNEL, API disabled and unsubscribed
     s = state()
     assert s & ((1 << MARKER) | (1 << API) | (1 << KERNEL) | (1 << 33)) == 0 and s & (1 << 32)
     lib.fake_mspti_emit(100, b"{}", b"communication", 2, 0)
     assert settle(c, lib) == b""
+
+
+def switch_scenario(c, lib) -> list:
+    """Switch `c` through failures of every kind; each step's results and the fake's state after it."""
+    steps = []
+
+    def step(default_on, comm_on):
+        steps.append((c.set_switch(default_on, comm_on), lib.fake_mspti_state()))
+
+    step(True, False)
+    lib.fake_mspti_set_foreign_subscriber(1)  # another profiler takes the slot once ours is free
+    step(False, False)
+    step(True, True)  # subscribe fails: the default domain is an exception, MARKER enabled all the same
+    step(True, True)  # still not subscribed, so it is tried (and fails) again
+    lib.fake_mspti_set_foreign_subscriber(0)
+    step(True, True)
+    lib.fake_mspti_set_result(b"msptiActivityEnableMarkerDomain", 999)
+    step(True, True)
+    lib.fake_mspti_set_result(b"msptiActivityEnableMarkerDomain", 0)
+    lib.fake_mspti_set_result(b"msptiActivityDisable", 1)
+    step(False, False)  # one failed disable: exception; the unsubscribe is still made
+    lib.fake_mspti_set_result(b"msptiActivityDisable", 0)
+    lib.fake_mspti_set_result(b"msptiActivityEnable", 4)
+    step(True, False)
+    lib.fake_mspti_set_result(b"msptiActivityEnable", 0)
+    lib.fake_mspti_set_result(b"msptiUnsubscribe", 999)
+    step(False, True)  # a failed unsubscribe: exception, and the handle counts as released
+    lib.fake_mspti_set_result(b"msptiUnsubscribe", 0)
+    lib.fake_mspti_set_result(b"msptiActivityDisableMarkerDomain", 1)
+    step(False, False)
+    lib.fake_mspti_set_result(b"msptiActivityDisableMarkerDomain", 0)
+    return steps
+
+
+def test_switch_results_match_the_python_collector(open_collector, lib, fake):
+    from agent.worker.fallback import Collector as PythonCollector
+
+    M, COMM, SUB, FOREIGN = 1 << MARKER, 1 << 32, 1 << 33, 1 << 34
+    expected = [((1, 0), M | SUB), ((0, 0), FOREIGN), ((2, 1), M | COMM | FOREIGN), ((2, 1), M | COMM | FOREIGN),
+                ((1, 1), M | COMM | SUB), ((1, 2), M | COMM | SUB), ((2, 0), M), ((2, 0), M | SUB),
+                ((2, 1), SUB | COMM), ((0, 2), SUB | COMM)]  # (the fake's slot stays taken after the failed unsubscribe)
+    assert lib.fake_mspti_set_result(b"msptiActivityFlushAll", 1) == -1  # only the switch functions
+    python = PythonCollector(str(fake[0]))
+    try:
+        assert switch_scenario(python, lib) == expected
+    finally:
+        python.close()
+    lib.fake_mspti_reset()
+    assert switch_scenario(open_collector(), lib) == expected
 
 
 def test_pool_exhaustion_declines_without_blocking(open_collector, lib):

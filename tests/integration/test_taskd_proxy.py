@@ -20,12 +20,12 @@ RANKS = range(4)
 class Node:
     """The agent with its proxy, and per job a manager peer and four worker peers."""
 
-    def __init__(self, tmp_path, kubeconfig: str = "", **proxy_settings):
+    def __init__(self, tmp_path, kubeconfig: str = "", listen: str = "127.0.0.1:0", **proxy_settings):
         self.manager_port = free_port(JOBS.values())
         self.agent = AgentProcess(tmp_path, {
             "devices": {"backend": "simulated"}, "profiling": {"metrics": False, "disk_guard": False},
             "kubernetes": {"enabled": bool(kubeconfig), "pod_resources_socket": ""},
-            "taskd_proxy": {"enabled": True, "listen": "127.0.0.1:0", "manager_port": self.manager_port,
+            "taskd_proxy": {"enabled": True, "listen": listen, "manager_port": self.manager_port,
                             "dial_timeout_seconds": 1, **proxy_settings}},
             env={"KUBECONFIG": kubeconfig} if kubeconfig else None).start()
         listening = self.agent.wait_for_log("TaskD proxy listening")
@@ -93,6 +93,8 @@ def test_two_jobs_with_the_same_positions_never_mix(node):
         assert (sent["code"], sent["error"]) == (0, None)
         assert sent["ack_src"] == MGR
     for job, mgr in n.managers.items():
+        for r in RANKS:  # the manager's own report may trail the worker's ack through another pipe
+            received(mgr, f"up-{job}-{r}")
         assert sorted(uuids_received(mgr)) == [f"up-{job}-{r}" for r in RANKS]
         assert received(mgr, f"up-{job}-2")["body"] == f'{{"from":"{job}/2"}}'
 
@@ -148,6 +150,8 @@ def test_manager_restart_loses_no_accepted_message_and_reaches_workers_again(nod
         rank = int(uid.split("-")[1])
         sent = n.workers["job-a", rank].wait_event(lambda e: e.get("event") == "sent" and e["uuid"] == uid)
         assert sent["code"] == 0, sent
+    for uid in held:
+        received(restarted, uid)
     assert sorted(uuids_received(restarted)) == sorted(held)
     # Held messages keep their order per sender.
     order = uuids_received(restarted)
@@ -231,3 +235,134 @@ def test_with_kubernetes_a_worker_speaks_only_for_the_job_of_its_pod(node, kube,
     refused = n.agent.wait_for_log("TaskD proxy refused a connection")
     assert "belongs to job job-b (team/job-b)" in refused["reason"], refused
     assert n.agent.metric("npu_agent_taskd_proxy_connected", job="job-a", role="Worker") == 1
+
+
+def reached(mgr, peer):
+    """The manager's sync unicast to `peer` came back acknowledged by that worker itself."""
+    sent = mgr.transfer(peer.pos, body="ping", sync=True)
+    return sent["code"] == 0 and sent["ack_src"] == peer.pos, sent
+
+
+def test_routes_are_never_lost_whatever_the_order_of_joins(node):
+    """Workers join before the manager is up, while the proxy's link to it is being set up (the
+    manager answers path discoveries slowly and held messages are still going out), and after.
+    Every round restarts the manager; afterwards every worker so far must be reachable from it."""
+    n = node()
+    peers = []
+    for round_ in range(4):
+        before = n.start_worker("job-a", 3 * round_)
+        peers.append(before)
+        for i in range(3):  # held for the absent manager: the link is busy flushing them later
+            before.send(op="send", uuid=f"held-{round_}-{i}", dst=MGR, body="", sync=True, mtype="DEFAULT")
+        wait_until(lambda: n.agent.metric("npu_agent_taskd_proxy_queue_depth", job="job-a") == 3, 10,
+                   "three messages held")
+        mgr = n.start_manager("job-a")
+        mgr.request("config", "configured", path_delay=0.2, transfer_delay=0.4)
+        mgr.wait_event(lambda e: e["event"] == "registered" and e["pos"]["role"] == "Proxy", 15)
+        # The proxy is registered and now replays paths and flushes the held messages: join now.
+        during = n.start_worker("job-a", 3 * round_ + 1, wait_ready=False)
+        peers.append(during)
+        wait_until(lambda: n.agent.metric("npu_agent_taskd_proxy_manager_up", job="job-a") == 1, 20, "link up")
+        during.wait_event("ready", 20)
+        peers.append(n.start_worker("job-a", 3 * round_ + 2))
+        for i in range(3):
+            sent = before.wait_event(lambda e: e.get("event") == "sent" and e["uuid"] == f"held-{round_}-{i}")
+            assert sent["code"] == 0, sent
+        lost = [peer.pos for peer in peers if not reached(mgr, peer)[0]]
+        assert lost == [], f"round {round_}: the manager has no route to {lost}"
+        mgr.kill()
+        n.agent.wait_for_log("TaskD manager unreachable; holding messages for it", job="job-a")
+        n.agent.logs.clear()
+
+
+def test_proxy_restart_every_worker_rejoins_and_is_reached(node):
+    n = node(listen=f"127.0.0.1:{free_port()}")  # the workers dial the same address again
+    mgr = n.start_manager("job-a")
+    for rank in RANKS:
+        n.start_worker("job-a", rank)
+    wait_until(lambda: len(mgr.events("path")) >= 4, 10, "four path discoveries")
+    for restart in range(2):
+        marks = {rank: n.workers["job-a", rank].mark() for rank in RANKS}
+        n.agent.stop()
+        n.agent.start()
+        for rank in RANKS:
+            n.workers["job-a", rank].wait_event("rejoined", 20, since=marks[rank])
+        wait_until(lambda: n.agent.metric("npu_agent_taskd_proxy_manager_up", job="job-a") == 1, 20, "link up")
+        for rank in RANKS:
+            peer = n.workers["job-a", rank]
+            ok, sent = reached(mgr, peer)
+            assert ok, (restart, sent)
+            up = peer.transfer(MGR, sync=True, uuid=f"up-{restart}-{rank}")
+            assert (up["code"], up["ack_src"]) == (0, MGR)
+
+
+def test_rank_lists_and_broadcasts_as_taskd_routes_them(node):
+    n = node()
+    mgr = n.start_manager("job-a")
+    for rank in RANKS:
+        n.start_worker("job-a", rank)
+    wait_until(lambda: len(mgr.events("path")) >= 4, 10, "four path discoveries")
+    sender = n.workers["job-a", 0]
+    # A rank list is one key to TaskD: no route, and no worker would take it anyway.
+    for dst in (pos("Worker", 0, "1,2"), pos("Worker", "All", "1,2"), pos("Worker", 1, "All")):
+        sent = sender.transfer(dst, body="list", sync=True)
+        assert sent["code"] == 5002 and "NO_ROUTE" in sent["error"], (dst, sent)
+    # The manager broadcasts one copy per route it has through this proxy (four); each worker
+    # receives the message once, and the extra copies are counted.
+    sent = mgr.transfer(pos("Worker", "All", "All"), body="everyone", uuid="bcast")
+    assert sent["code"] == 0 and len(sent["hops"]) == 4
+    for rank in RANKS:
+        peer = n.workers["job-a", rank]
+        marker = mgr.transfer(peer.pos, body="marker", sync=True)  # arrives after any broadcast copy
+        assert marker["code"] == 0
+        received(peer, marker["uuid"])
+        assert uuids_received(peer).count("bcast") == 1, uuids_received(peer)
+        assert not peer.events("dropped")
+    wait_until(lambda: n.agent.metric("npu_agent_taskd_proxy_messages_total", direction="down",
+                                      result="duplicate") == 3, 10, "three duplicate copies counted")
+    # Worker to worker broadcast within the node: each other worker once (the sender's own copy
+    # stays in its process at TaskD's sender, so it never sends Worker/0/All up).
+    sent = mgr.transfer(pos("Worker", 0, "All"), body="node 0", uuid="node0")
+    assert sent["code"] == 0
+    for rank in RANKS:
+        received(n.workers["job-a", rank], "node0")
+
+
+def vm_kib(pid: int, key: str) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def test_a_flood_of_held_messages_is_bounded_in_bytes(node):
+    """105 MiB for an absent manager, one 7 MiB message after another: the 16 MiB budget holds two,
+    the rest are refused with RecvBufBusy at once, and the agent's peak memory stays bounded."""
+    n = node(job_buffer_mb=16, node_buffer_mb=16, hold_seconds=60)
+    peer = n.start_worker("job-a", 0)  # its job and the job's (failing) manager link exist now
+    pid = n.agent.process.pid
+    before = vm_kib(pid, "VmRSS")
+    uids = [f"big-{i}" for i in range(15)]
+    outcome = {}
+    for uid in uids:
+        held = n.agent.metric("npu_agent_taskd_proxy_queue_depth", job="job-a")
+        peer.send(op="send", uuid=uid, dst=MGR, body_size=7 << 20, sync=True, mtype="DEFAULT")
+        outcome[uid] = wait_until(
+            lambda: next((e["code"] for e in peer.events("sent") if e["uuid"] == uid), None)
+            or ("held" if n.agent.metric("npu_agent_taskd_proxy_queue_depth", job="job-a") > held else None),
+            30, f"{uid} refused or held")
+    held = [uid for uid in uids if outcome[uid] == "held"]
+    assert [outcome[uid] for uid in uids] == ["held"] * 2 + [5001] * 13, outcome
+    assert n.agent.metric("npu_agent_taskd_proxy_buffer_bytes", job="job-a") > 14 << 20
+    assert n.agent.metric("npu_agent_taskd_proxy_overflows_total", job="job-a") == 13
+    grown_mib = (vm_kib(pid, "VmHWM") - before) / 1024
+    assert grown_mib < 100, f"the agent grew {grown_mib:.0f} MiB holding 14 MiB of messages"
+    n.agent.wait_for_log("TaskD proxy refused a message: no room (RecvBufBusy 5001)", job="job-a")
+    # The two that fitted are delivered once the manager comes, and the budget is empty again.
+    mgr = n.start_manager("job-a")
+    for uid in held:
+        sent = peer.wait_event(lambda e: e.get("event") == "sent" and e["uuid"] == uid, 30)
+        assert sent["code"] == 0, sent
+        assert len(received(mgr, uid)["body"]) == 7 << 20
+    assert sorted(u for u in uuids_received(mgr) if u.startswith("big-")) == held
+    wait_until(lambda: n.agent.metric("npu_agent_taskd_proxy_buffer_bytes", job="job-a") == 0, 10, "budget empty")

@@ -24,11 +24,13 @@ from agent.worker import jsonlines
 from agent.worker.fallback import Collector
 from agent.worker.runtime import Worker
 from tests.fakes.mspti import load_fake_mspti
+from tests.fakes.mspti.trainer import Trainer, trainer_env
+from tests.fakes.tasknet.driver import free_port, manager
 from tests.integration.harness import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 MARKER, KERNEL, API, MEMORY = 1, 2, 3, 5
-STATE_COMM, STATE_SUBSCRIBED = 1 << 32, 1 << 33
+STATE_COMM, STATE_SUBSCRIBED, STATE_FOREIGN = 1 << 32, 1 << 33, 1 << 34
 
 
 @pytest.fixture(scope="module")
@@ -83,15 +85,15 @@ def test_missing_library_and_missing_symbols(tmp_path):
 def test_switch_calls_reach_mspti(fake, collectors):
     c = collectors()
     assert fake.fake_mspti_state() == 0
-    c.set_switch(True, False)
+    assert c.set_switch(True, False) == (1, 0)  # (default, comm): 0 off, 1 on, 2 exception
     assert fake.fake_mspti_state() == (1 << MARKER) | STATE_SUBSCRIBED
-    c.set_switch(True, True)
+    assert c.set_switch(True, True) == (1, 1)
     assert fake.fake_mspti_state() == (1 << MARKER) | STATE_SUBSCRIBED | STATE_COMM
     fake.msptiActivityEnable(API)
     fake.msptiActivityEnable(KERNEL)
-    c.set_switch(False, True)  # off: MARKER, KERNEL, API disabled, unsubscribed; comm as asked
+    assert c.set_switch(False, True) == (0, 1)  # off: MARKER, KERNEL, API disabled, unsubscribed; comm as asked
     assert fake.fake_mspti_state() == STATE_COMM
-    c.set_switch(False, False)
+    assert c.set_switch(False, False) == (0, 0)
     assert fake.fake_mspti_state() == 0
     c.set_switch(True, True)
     c.close()
@@ -99,6 +101,20 @@ def test_switch_calls_reach_mspti(fake, collectors):
     c.close()  # idempotent
     with pytest.raises(ValueError):
         c.set_switch(True, False)
+
+
+def test_another_profiler_holding_the_subscriber_slot_is_an_exception(fake, collectors):
+    c = collectors()
+    fake.fake_mspti_set_foreign_subscriber(1)  # e.g. MindStudio runs in this process
+    assert c.set_switch(True, True) == (2, 1)
+    # The sequence is TaskD's whatever the results: MARKER is enabled all the same.
+    assert fake.fake_mspti_state() == (1 << MARKER) | STATE_COMM | STATE_FOREIGN
+    assert c.set_switch(False, False) == (0, 0)  # nothing of ours to unsubscribe
+    fake.fake_mspti_set_foreign_subscriber(0)
+    assert c.set_switch(True, False) == (1, 0)  # the slot is free again: subscribed now
+    assert fake.fake_mspti_state() == (1 << MARKER) | STATE_SUBSCRIBED
+    fake.fake_mspti_set_result(b"msptiActivityDisableMarkerDomain", 999)
+    assert c.set_switch(True, False) == (1, 2)
 
 
 def test_records_drained_exactly_once_byte_exact(fake, collectors):
@@ -357,7 +373,8 @@ CHILD = textwrap.dedent("""
 
 
 def run_child(tmp_path, env_extra, init, emit=(), object_id=None):
-    env = {k: v for k, v in os.environ.items() if k not in ("MINDX_TASK_ID", "LD_LIBRARY_PATH")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MINDX_TASK_ID", "LD_LIBRARY_PATH", "MASTER_ADDR", "MS_SCHED_HOST", "LOCAL_PROXY_ENABLE")}
     env.update(NPU_AGENT_PROFILING_ROOT=str(tmp_path / "profiling"), NPU_AGENT_PROFILING_SWITCH=str(tmp_path / "sw"),
                NPU_AGENT_WORKER_IMPL="python", PYTHONPATH=str(REPO))
     emit = [(name.hex() if isinstance(name, bytes) else name.encode().hex(), domain, count) for name, domain, count in emit]
@@ -454,3 +471,183 @@ def test_native_and_python_collectors_write_the_same_bytes(lib_path, tmp_path):
     assert '{"opName":"hcom_allReduce_1","groupName":"10.0.0.1%eth0_60000"}' in by_name
     assert {"C:\temp", "C:\\Users\\data", "a\nb", "caf\u00e9 \u00e9 <\u2028/", "\U0001f600 \ufffd \ufffd\ufffd\U0001f600",
             "a\\n\ufffd", 'q"\\n', "end\\", "\\u12x"} <= by_name
+
+
+# -- TaskD's manager-driven switch: training processes and a manager stand-in -----------------------
+
+def worker_pos(server_rank, process_rank) -> dict:
+    return {"role": "Worker", "server_rank": str(server_rank), "process_rank": str(process_rank)}
+
+
+def statuses(mgr, name) -> list[int]:
+    return [e["code"] for e in mgr.events("status") if e["name"] == name]
+
+
+def act(mgr, code: int, expected: dict[str, int | None]) -> None:
+    """The manager sends ACTION `code` to every registered worker; each acks it itself, and each
+    named worker answers with the STATUS given (None: with none)."""
+    since = mgr.mark()
+    done = mgr.action(code)
+    assert sorted(done["workers"]) == sorted(expected)
+    for sent in [e for e in mgr.events("action_sent")][-len(expected):]:
+        assert sent["code"] == 0 and sent["error"] is None, sent
+        assert sent["ack_src"]["process_rank"] == sent["name"][len("Worker"):], sent
+    for name, status in expected.items():
+        if status is not None:
+            mgr.wait_event(lambda e: e.get("event") == "status" and e["name"] == name and e["code"] == status,
+                           10, since)
+
+
+def wait_ticks(trainer: Trainer, n: int = 2) -> None:
+    """Until the worker's thread has done `n` more rounds (each polls the switch file unless the
+    manager drives, then writes)."""
+    start = trainer.stats()["ticks"]
+    wait_until(lambda: trainer.stats()["ticks"] >= start + n, 10, f"{n} more rounds of the worker")
+
+
+def test_the_manager_drives_the_switch_and_gets_a_status_per_change(fake_mspti_path, tmp_path):
+    root, switch = tmp_path / "profiling", tmp_path / "profilingSwitch"
+    write_switch(switch, **ALL_OFF)  # the file says off throughout: once registered, it is not read
+    job = "job-mgr"
+    with manager("127.0.0.1:0") as mgr:
+        common = dict(MINDX_TASK_ID=job, MASTER_ADDR="127.0.0.1", NPU_AGENT_TASKD_PROXY=mgr.address,
+                      LOCAL_WORLD_SIZE="2")
+        trainers = [
+            Trainer(0, trainer_env(fake_mspti_path, root, switch, RANK="0", **common)),  # native collector
+            # the Python collector, and another profiler holds MSPTI's subscriber slot from the start
+            Trainer(1, trainer_env(fake_mspti_path, root, switch, RANK="1", NPU_AGENT_WORKER_IMPL="python",
+                                   FAKE_MSPTI_FOREIGN_SUBSCRIBER="1", **common)),
+        ]
+        t0, t1 = trainers
+        try:
+            assert [t.started for t in trainers] == [{"event": "started", "init": True, "start": True, "impl": impl}
+                                                     for impl in ("native", "python")]
+            for rank, t in enumerate(trainers):
+                registered = mgr.wait_event(lambda e: e.get("event") == "worker_registered"
+                                            and e["name"] == f"Worker{rank}", 20)
+                assert registered["pos"] == worker_pos(0, rank)  # node rank: RANK // LOCAL_WORLD_SIZE
+                wait_until(lambda: t.stats()["manager_mode"], 10, f"rank {rank} in manager mode")
+            received = [e for e in mgr.events("received") if e["body"].startswith('{"msg_type":"REGISTER"')]
+            assert sorted(e["src"]["process_rank"] for e in received) == ["0", "1"]  # once each
+            for e in received:
+                assert e["body"] == '{"msg_type":"REGISTER","code":101,"message":"","extension":null}'
+                assert e["sync"] is True and e["mtype"] == "default"
+                assert e["dst"] == {"role": "Mgr", "server_rank": "0", "process_rank": "-1"}
+
+            act(mgr, 710, {"Worker0": 1410, "Worker1": 1420})  # rank 1: subscribing failed, an exception
+            t0.emit("step 1", "default", 100)
+            wait_until(lambda: read_rank(root, job, 0)[1].count(b"\n") == 100, 15, "100 records of rank 0")
+            wait_ticks(t0)  # rounds in which an all-off file would have switched it off again
+            assert t0.state() & (1 << MARKER) and t0.stats()["switch_default_on"] is True
+
+            act(mgr, 711, {"Worker0": 1411, "Worker1": 1421})
+            t0.emit("hccl", "communication", 50)
+            wait_until(lambda: read_rank(root, job, 0)[1].count(b"\n") == 150, 15, "150 records of rank 0")
+
+            act(mgr, 700, {"Worker0": 1400, "Worker1": 1400})
+            before = t0.emit("step 2", "default", 40)["filtered"]
+            assert t0.emit("hccl", "communication", 20)["filtered"] == before + 20  # MSPTI makes none now
+            assert before >= 40
+
+            act(mgr, 700, {"Worker0": None, "Worker1": None})  # the same command again: no STATUS
+            for t in trainers:
+                wait_until(lambda: t.stats()["actions"] == 4, 10, "the repeated ACTION handled")
+            act(mgr, 710, {"Worker0": 1410, "Worker1": 1420})
+            assert statuses(mgr, "Worker0") == [1410, 1411, 1400, 1410]
+            assert statuses(mgr, "Worker1") == [1420, 1421, 1400, 1420]
+            # (the manager sees a STATUS before the worker's call returns and counts it)
+            wait_until(lambda: t0.stats()["statuses_sent"] == 4, 10, "four statuses counted")
+            stats = t0.stats()
+            assert (stats["manager_registered"], stats["actions"], stats["manager_register_tries"],
+                    stats["manager_joins"]) == (True, 5, 1, 1)
+            assert stats["switch_errors"] == 0  # the file was never read: registered before the first round
+            assert not mgr.events("status_dropped")
+        finally:
+            codes = [t.stop() for t in trainers]
+        assert codes == [0, 0], [t.stderr()[-3000:] for t in trainers]
+    names, data = read_rank(root, job, 0)
+    parsed = records.parse(data)
+    assert parsed.errors == [] and len(parsed.markers) == 150
+    assert len({int(m[records.ID]) for m in parsed.markers}) == 150
+    domains = [m[records.DOMAIN] for m in parsed.markers]
+    assert domains.count(b"default") == 100 and domains.count(b"communication") == 50
+    log = t0.stderr()
+    assert log.count("switch file stays in charge") == 0 and log.count("is no longer read") == 1
+
+
+def test_no_manager_within_the_give_up_window_leaves_the_file_in_charge(fake_mspti_path, tmp_path):
+    root, switch = tmp_path / "profiling", tmp_path / "profilingSwitch"
+    write_switch(switch, **ALL_OFF)
+    nobody = f"127.0.0.1:{free_port()}"  # nothing listens there
+    t = Trainer(2, trainer_env(fake_mspti_path, root, switch, MINDX_TASK_ID="job-alone", MASTER_ADDR="127.0.0.1",
+                               NPU_AGENT_TASKD_PROXY=nobody), give_up=1.5)
+    try:
+        wait_until(lambda: t.stats()["manager_given_up"], 15, "the manager client to give up")
+        wait_until(lambda: not t.stats()["manager_running"], 10, "the client's threads to end")  # for good
+        stats = t.stats()
+        assert stats["manager_registered"] is False and stats["manager_mode"] is False
+        assert stats["manager_join_errors"] >= 1 and stats["manager_register_tries"] == 0
+        write_switch(switch, **{**ALL_OFF, "Step": "on"})
+        wait_until(lambda: t.state() & (1 << MARKER), 10, "the file to turn profiling on")
+        t.emit("step 1", "default", 30)
+        wait_until(lambda: read_rank(root, "job-alone", 2)[1].count(b"\n") == 30, 15, "30 records on disk")
+    finally:
+        assert t.stop() == 0
+    assert t.stderr().count("giving up, the switch file stays in charge") == 1
+
+
+def test_without_a_manager_host_the_worker_never_dials(fake_mspti_path, tmp_path):
+    import socket
+
+    root, switch = tmp_path / "profiling", tmp_path / "profilingSwitch"
+    write_switch(switch, Step="on")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.setblocking(False)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        t = Trainer(0, trainer_env(fake_mspti_path, root, switch, MINDX_TASK_ID="job-file",
+                                   NPU_AGENT_TASKD_PROXY=address))  # no MASTER_ADDR, MS_SCHED_HOST, ...
+        try:
+            wait_until(lambda: t.state() & (1 << MARKER), 10, "the file to turn profiling on")
+            t.emit("step 1", "default", 10)
+            wait_until(lambda: read_rank(root, "job-file", 0)[1].count(b"\n") == 10, 15, "10 records on disk")
+            stats = t.stats()
+            assert stats["manager_enabled"] is False and stats["manager_mode"] is False
+            with pytest.raises(BlockingIOError):
+                listener.accept()  # nobody connected
+        finally:
+            assert t.stop() == 0
+
+
+def test_a_lost_stream_is_rebuilt_without_registering_again(fake_mspti_path, tmp_path):
+    root, switch = tmp_path / "profiling", tmp_path / "profilingSwitch"
+    write_switch(switch, **ALL_OFF)
+    port = free_port()
+    me = worker_pos(0, 0)
+    first = manager(f"127.0.0.1:{port}")
+    t = Trainer(0, trainer_env(fake_mspti_path, root, switch, MINDX_TASK_ID="job-re", MS_SCHED_HOST="127.0.0.1",
+                               MS_NODE_RANK="0", NPU_AGENT_TASKD_PROXY=first.address))
+    second = None
+    try:
+        first.wait_event(lambda e: e.get("event") == "worker_registered" and e["pos"] == me, 20)
+        first.kill()  # the stream breaks: the worker joins again, as TaskD's does
+        second = manager(f"127.0.0.1:{port}")
+        second.wait_event(lambda e: e.get("event") == "stream" and e["pos"] == me, 20)
+        assert [e["pos"] for e in second.events("registered")] == [me]
+        assert [e["path"] for e in second.events("path")] == [[me]]
+        # The new manager reaches it; the worker is still in manager mode and answers, but it sent
+        # its REGISTER once per process, so this manager does not know it (TaskD's behaviour).
+        sent = second.transfer(me, body='{"msg_type":"ACTION","code":711,"message":"","extension":null}',
+                               sync=True, mtype="default")
+        assert (sent["code"], sent["ack_src"]) == (0, me)
+        second.wait_event(lambda e: e.get("event") == "status_dropped" and e["code"] == 1411, 10)
+        wait_until(lambda: t.state() & (1 << MARKER), 10, "the ACTION applied")
+        stats = t.stats()
+        assert (stats["manager_register_tries"], stats["manager_joins"], stats["manager_stream_errors"]) == (1, 2, 1)
+        assert stats["manager_mode"] is True and not second.events("worker_registered")
+    finally:
+        assert t.stop() == 0
+        first.stop()
+        if second is not None:
+            second.stop()

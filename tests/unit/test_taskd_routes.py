@@ -14,12 +14,13 @@ def worker(node, rank):
 
 
 def message(dst: Position | None, header=True):
+    """A message's header as the proxy reads it (None: a message without one)."""
     if not header:
-        return pb.Message(body="{}")
+        return None
     h = pb.MessageHeader(uuid="u1", mtype="DEFAULT", src=worker(1, 4).pb())
     if dst is not None:
         h.dst.CopyFrom(dst.pb())
-    return pb.Message(header=h, body="{}")
+    return h
 
 
 def table_with(*positions):
@@ -77,17 +78,21 @@ def test_messages_from_the_manager_never_go_back_up():
         assert (decision.action, decision.code) == ("reject", Code.NO_ROUTE)
 
 
-def test_broadcast_and_rank_lists_reach_each_match_once():
+def test_broadcast_reaches_each_match_once_and_rank_lists_find_no_route():
     agent = Position("Agent", "1", "-1")
     table = table_with(worker(1, 4), worker(1, 5), worker(1, 6), agent)
     everyone = table.decide(Position("Worker", "All", "All"), from_upper=True)
     assert everyone.hops == (worker(1, 4), worker(1, 5), worker(1, 6))
-    some = table.decide(Position("Worker", "1", "4,6"), from_upper=True)
-    assert some.hops == (worker(1, 4), worker(1, 6))
-    other_node = table.decide(Position("Worker", "2", "All"), from_upper=True)
-    assert other_node.hops == ()
+    assert table.decide(Position("Worker", "1", "All"), from_upper=True).hops == everyone.hops
+    assert table.decide(Position("Worker", "All", "5"), from_upper=True).hops == (worker(1, 5),)
     agents = table.decide(Position("Agent", "All", "-1"), from_upper=True)
     assert agents.hops == (agent,)
+    # TaskD looks a rank list up as one key (no hop expands it) and every receiver drops it, so it
+    # reaches nobody: no route, never a 0 for a message no one takes.
+    for nobody in (Position("Worker", "1", "4,6"), Position("Worker", "All", "4,6"), Position("Worker", "1,2", "All"),
+                   Position("Worker", "2", "All")):
+        decision = table.decide(nobody, from_upper=True)
+        assert (decision.action, decision.code) == ("reject", Code.NO_ROUTE), nobody
 
 
 def test_a_gone_worker_takes_its_routes_with_it():

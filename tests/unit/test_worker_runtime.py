@@ -26,6 +26,7 @@ class FakeCollector:
     def set_switch(self, default_on, comm_on):
         self._maybe_fail("set_switch")
         self.calls[-1] = ("set_switch", default_on, comm_on)
+        return int(default_on), int(comm_on)
 
     def flush(self):
         self._maybe_fail("flush")

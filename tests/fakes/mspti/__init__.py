@@ -1,4 +1,9 @@
-"""Fake libmspti.so (C): the MSPTI activity-buffer ABI plus a ctypes control API (fake_mspti_*)."""
+"""Fake libmspti.so (C): the MSPTI activity-buffer ABI plus a ctypes control API (fake_mspti_*).
+
+`FAKE_MSPTI_FOREIGN_SUBSCRIBER=1` in the environment of the process that loads it: another profiler
+holds MSPTI's only subscriber slot, so msptiSubscribe fails with
+MSPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED (2), as with MindStudio running.
+`trainer` is a stand-in training process that uses `agent.worker` on this fake."""
 
 from __future__ import annotations
 
@@ -35,6 +40,10 @@ def load_fake_mspti(path: Path) -> ctypes.CDLL:
     lib.fake_mspti_set_object_id.restype = None
     lib.fake_mspti_reset.argtypes = []
     lib.fake_mspti_reset.restype = None
+    lib.fake_mspti_set_foreign_subscriber.argtypes = [c_int]
+    lib.fake_mspti_set_foreign_subscriber.restype = None
+    lib.fake_mspti_set_result.argtypes = [c_char_p, c_int]
+    lib.fake_mspti_set_result.restype = c_int
     for name in ("emitted", "dropped", "filtered", "requests", "declined", "completed", "next_id", "held", "state"):
         fn = getattr(lib, f"fake_mspti_{name}")
         fn.argtypes, fn.restype = [], u64

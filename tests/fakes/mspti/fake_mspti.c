@@ -6,7 +6,13 @@
  * client hands out through its request callback and handed back through the complete callback,
  * like mspti's own activity threads do.  All buffer work happens under one mutex, which is also
  * held while the client's callbacks run (the client's callbacks must not call back into mspti
- * except msptiActivityGetNextRecord, which takes no lock). */
+ * except msptiActivityGetNextRecord, which takes no lock).
+ *
+ * Failures: MSPTI allows one subscriber per process.  A "foreign subscriber" models another
+ * profiler (e.g. MindStudio) already holding that slot: msptiSubscribe then returns
+ * MSPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED.  It is on from the start when the environment
+ * has FAKE_MSPTI_FOREIGN_SUBSCRIBER=1 at load, and switched with fake_mspti_set_foreign_subscriber().
+ * fake_mspti_set_result() makes any one switch function fail with a given code. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdlib.h>
@@ -29,6 +35,19 @@ static uint32_t kinds_enabled;      /* bit per msptiActivityKind */
 static int comm_enabled;            /* the "communication" marker domain; off until enabled */
 static int subscribed;
 static int subscriber_token;
+static int foreign_subscriber;      /* another profiler holds the only subscriber slot */
+
+/* Forced results (0: behave normally) of the switch functions, by name. */
+enum { F_ENABLE, F_DISABLE, F_ENABLE_DOMAIN, F_DISABLE_DOMAIN, F_SUBSCRIBE, F_UNSUBSCRIBE, F_COUNT };
+static const char *const forced_names[F_COUNT] = {
+    "msptiActivityEnable", "msptiActivityDisable", "msptiActivityEnableMarkerDomain",
+    "msptiActivityDisableMarkerDomain", "msptiSubscribe", "msptiUnsubscribe"};
+static int forced[F_COUNT];
+
+__attribute__((constructor)) static void read_environment(void) {
+    const char *v = getenv("FAKE_MSPTI_FOREIGN_SUBSCRIBER");
+    foreign_subscriber = v != NULL && strcmp(v, "1") == 0;
+}
 
 static uint8_t *cur_buf;
 static size_t cur_size, cur_used, cur_max, cur_count;
@@ -55,9 +74,22 @@ EXPORT msptiResult msptiActivityRegisterCallbacks(msptiBuffersCallbackRequestFun
     return MSPTI_SUCCESS;
 }
 
+/* mu held: the forced result of a function, or 0. */
+static int forced_locked(int fn) { return forced[fn]; }
+
+#define RETURN_IF_FORCED(fn)                 \
+    do {                                     \
+        int forced_rc = forced_locked(fn);   \
+        if (forced_rc != 0) {                \
+            pthread_mutex_unlock(&mu);       \
+            return (msptiResult)forced_rc;   \
+        }                                    \
+    } while (0)
+
 EXPORT msptiResult msptiActivityEnable(msptiActivityKind kind) {
     if ((int)kind <= 0 || (int)kind > 31) return MSPTI_ERROR_INVALID_PARAMETER;
     pthread_mutex_lock(&mu);
+    RETURN_IF_FORCED(F_ENABLE);
     kinds_enabled |= 1u << kind;
     pthread_mutex_unlock(&mu);
     return MSPTI_SUCCESS;
@@ -66,6 +98,7 @@ EXPORT msptiResult msptiActivityEnable(msptiActivityKind kind) {
 EXPORT msptiResult msptiActivityDisable(msptiActivityKind kind) {
     if ((int)kind <= 0 || (int)kind > 31) return MSPTI_ERROR_INVALID_PARAMETER;
     pthread_mutex_lock(&mu);
+    RETURN_IF_FORCED(F_DISABLE);
     kinds_enabled &= ~(1u << kind);
     pthread_mutex_unlock(&mu);
     return MSPTI_SUCCESS;
@@ -74,6 +107,7 @@ EXPORT msptiResult msptiActivityDisable(msptiActivityKind kind) {
 EXPORT msptiResult msptiActivityEnableMarkerDomain(const char *name) {
     if (name == NULL) return MSPTI_ERROR_INVALID_PARAMETER;
     pthread_mutex_lock(&mu);
+    RETURN_IF_FORCED(F_ENABLE_DOMAIN);
     if (strcmp(name, "communication") == 0) comm_enabled = 1;
     pthread_mutex_unlock(&mu);
     return MSPTI_SUCCESS;
@@ -82,6 +116,7 @@ EXPORT msptiResult msptiActivityEnableMarkerDomain(const char *name) {
 EXPORT msptiResult msptiActivityDisableMarkerDomain(const char *name) {
     if (name == NULL) return MSPTI_ERROR_INVALID_PARAMETER;
     pthread_mutex_lock(&mu);
+    RETURN_IF_FORCED(F_DISABLE_DOMAIN);
     if (strcmp(name, "communication") == 0) comm_enabled = 0;
     pthread_mutex_unlock(&mu);
     return MSPTI_SUCCESS;
@@ -156,7 +191,8 @@ EXPORT msptiResult msptiSubscribe(msptiSubscriberHandle *subscriber, msptiCallba
     (void)userdata;
     if (subscriber == NULL) return MSPTI_ERROR_INVALID_PARAMETER;
     pthread_mutex_lock(&mu);
-    if (subscribed) {
+    RETURN_IF_FORCED(F_SUBSCRIBE);
+    if (subscribed || foreign_subscriber) {
         pthread_mutex_unlock(&mu);
         return MSPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED;
     }
@@ -168,6 +204,7 @@ EXPORT msptiResult msptiSubscribe(msptiSubscriberHandle *subscriber, msptiCallba
 
 EXPORT msptiResult msptiUnsubscribe(msptiSubscriberHandle subscriber) {
     pthread_mutex_lock(&mu);
+    RETURN_IF_FORCED(F_UNSUBSCRIBE);
     if (!subscribed || subscriber != (msptiSubscriberHandle)&subscriber_token) {
         pthread_mutex_unlock(&mu);
         return MSPTI_ERROR_INVALID_PARAMETER;
@@ -372,16 +409,43 @@ COUNTER(fake_mspti_completed, n_completed)
 COUNTER(fake_mspti_next_id, next_id)
 COUNTER(fake_mspti_held, n_held)
 
-/* Bit 0..31: enabled kinds; bit 32: communication domain; bit 33: subscribed. */
+/* Another profiler holds (1) or releases (0) MSPTI's only subscriber slot: while it holds it,
+ * msptiSubscribe fails with MSPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED. */
+EXPORT void fake_mspti_set_foreign_subscriber(int on) {
+    pthread_mutex_lock(&mu);
+    foreign_subscriber = on != 0;
+    pthread_mutex_unlock(&mu);
+}
+
+/* Make the switch function `name` (msptiActivityEnable/Disable, msptiActivityEnable/DisableMarkerDomain,
+ * msptiSubscribe/Unsubscribe) return `result` without doing anything; 0 restores it.  Returns 0,
+ * or -1 for an unknown name. */
+EXPORT int fake_mspti_set_result(const char *name, int result) {
+    if (name == NULL) return -1;
+    for (int i = 0; i < F_COUNT; i++) {
+        if (strcmp(name, forced_names[i]) == 0) {
+            pthread_mutex_lock(&mu);
+            forced[i] = result;
+            pthread_mutex_unlock(&mu);
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* Bit 0..31: enabled kinds; bit 32: communication domain; bit 33: subscribed (the client);
+ * bit 34: a foreign subscriber holds the slot. */
 EXPORT uint64_t fake_mspti_state(void) {
     pthread_mutex_lock(&mu);
-    uint64_t v = kinds_enabled | ((uint64_t)comm_enabled << 32) | ((uint64_t)subscribed << 33);
+    uint64_t v = kinds_enabled | ((uint64_t)comm_enabled << 32) | ((uint64_t)subscribed << 33) |
+                 ((uint64_t)foreign_subscriber << 34);
     pthread_mutex_unlock(&mu);
     return v;
 }
 
-/* Between tests: wait for emitters, hand back every buffer, reset counters and the switch state
- * (the registered callbacks stay: a client cannot unregister them). */
+/* Between tests: wait for emitters, hand back every buffer, reset counters, the switch state and
+ * the failures (no foreign subscriber, no forced results; the registered callbacks stay: a client
+ * cannot unregister them). */
 EXPORT void fake_mspti_reset(void) {
     pthread_mutex_lock(&mu);
     while (active_emitters > 0) pthread_cond_wait(&idle_cv, &mu);
@@ -393,5 +457,7 @@ EXPORT void fake_mspti_reset(void) {
     obj_override = 0;
     kinds_enabled = 0;
     comm_enabled = subscribed = 0;
+    foreign_subscriber = 0;
+    memset(forced, 0, sizeof forced);
     pthread_mutex_unlock(&mu);
 }

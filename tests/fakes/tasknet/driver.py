@@ -135,13 +135,17 @@ class PeerProcess:
             return [e for e in self._events if kind is None or e.get("event") == kind]
 
     def transfer(self, dst: dict, body: str = "", sync: bool = False, uuid: str | None = None,
-                 mtype: str = "DEFAULT", rpc_timeout: float | None = None, wait: float = 10.0) -> dict:
+                 mtype: str = "DEFAULT", rpc_timeout: float | None = None, wait: float = 10.0,
+                 body_size: int | None = None) -> dict:
         """Send one message and return its "sent" event (waiting up to `wait` s for it).
 
         `rpc_timeout` becomes the command's "timeout": a worker's gRPC deadline for TransferMessage.
+        `body_size` replaces `body` with that many "x" made by the peer (big bodies stay off stdin).
         """
         uuid = uuid or str(uuidlib.uuid4())
         extra = {} if rpc_timeout is None else {"timeout": rpc_timeout}
+        if body_size is not None:
+            extra["body_size"] = int(body_size)
         self.send(op="send", uuid=uuid, dst=dst, body=body, sync=sync, mtype=mtype, **extra)
         return self.wait_event(lambda e: e.get("event") == "sent" and e.get("uuid") == uuid, wait)
 
@@ -153,6 +157,28 @@ class PeerProcess:
 
     def routes(self) -> list:
         return self.request("routes", "routes")["routes"]
+
+    def config(self, **knobs) -> dict:
+        """Set knobs (worker: auto_ack, ack_code, ack_delay; manager: transfer_code, transfer_delay,
+        register_delay, path_delay); returns the "configured" event."""
+        return self.request("config", "configured", **knobs)
+
+    def drop(self, timeout: float = 10.0) -> dict:
+        """A worker's simulated network blip; returns its "dropping" event (then come stream_lost, rejoined)."""
+        return self.request("drop", "dropping", timeout)
+
+    def workers(self) -> dict:
+        """A manager's worker registry: {name: {"pos", "status"}}."""
+        return self.request("workers", "workers")["workers"]
+
+    def action(self, code: int, tries: int = 1, retry_interval: float = 3.0, wait: float | None = None) -> dict:
+        """A manager's profiling ACTION to every registered worker; returns "action_done" (the per-worker
+        "action_sent" events come before it).  `wait` defaults to what `tries` sync sends can take."""
+        if wait is None:
+            wait = 10.0 + tries * (3.0 + retry_interval)
+        since = self.mark()
+        self.send(op="action", code=code, tries=tries, retry_interval=retry_interval)
+        return self.wait_event(lambda e: e.get("event") == "action_done" and e.get("code") == code, wait, since)
 
     # ---- lifetime -------------------------------------------------------------------------------
 

@@ -1,19 +1,39 @@
-"""A TaskD manager's net layer (role Mgr, level 3): the top of the TaskNet tree.
+"""A TaskD manager (role Mgr, level 3): the top of the TaskNet tree, plus the slice of its business
+layer that tracks workers for the profiling switch.
 
-Re-implemented from ``/work/shared/reference/taskd.md`` §3.3-3.7, server side only (the Mgr has no
-upstream).  What it keeps is what TaskD's downstream endpoint keeps:
+Re-implemented from TaskD's net layer as its code behaves, server side only (the Mgr has no upstream).
+What it keeps is what TaskD's downstream endpoint keeps:
 
 * ``entries``: one per registered position; holds that client's down stream once it is open.
   Re-registering a position cancels the old entry (which ends its stream) and starts a new one.
-* ``routes``: ``routeTable[p] = proxyPos`` for every ``p`` of every PathDiscovery; never pruned.
+* ``routes``: ``routeTable[p] = proxyPos`` for every ``p`` of every PathDiscovery (overwritten, never
+  pruned, no check that anyone registered).
 
-Messages addressed to the Mgr are reported on stdout and acked; nothing is routed onward, because
-the Mgr has no upstream and this fake only sends downward when told to by a command.
+Sending down (the ``send`` and ``action`` commands, and messages from a direct level-1 client whose
+destination is below the Mgr):
+
+* unicast: the exact routeTable key, then that hop's entry and stream; a miss (a rank list such as
+  "0,1" is never a key) is NoRoute 5002 made by the Mgr itself.  Sync sends wait up to 3 s for the
+  next Ack on that stream; the Ack that comes back (code and src) is the result, whatever its code.
+* broadcast (a rank containing "All"): ONE COPY PER MATCHING routeTable ENTRY, no dedup of next hops,
+  so two workers behind one proxy mean two copies to that proxy.  An entry matches when its role is
+  the destination's and its serverRank (for Workers also its processRank) equals the destination's
+  or the destination's is "All".  Sync is forced off; the broadcast itself is always code 0.
+
+Messages for the Mgr are acked ``{code 0, src=Mgr}`` once taken, before the business layer looks at
+them (so a REGISTER or STATUS is acked 0 even when the business layer then drops it).  The business
+layer here knows two body types (JSON MsgBody): REGISTER (a worker named "Worker"+src.processRank at
+position src) and STATUS (that worker's profiling state).  The ``action`` command plays the profiling
+plugin: one sync unicast ACTION per registered worker, retried only on a local failure, because TaskD's
+callers check only the Go error (an Ack 5001/5002 from a later hop counts as delivered).
+
+Nothing survives a restart: a new process starts with no entries, routes or workers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid as uuidlib
 from dataclasses import dataclass, field
 
 import grpc
@@ -21,12 +41,13 @@ import grpc
 from agent._proto import tasknet_pb2 as pb
 from agent._proto import tasknet_pb2_grpc as pb_grpc
 
-from .wire import (ACK_TIMEOUT_S, EXCEED_MAX_REGISTRY_NUM, MAX_REGISTRATIONS, MGR, NET_STREAM_NOT_INITED,
-                   NETWORK_ACK_LOST, NETWORK_SEND_LOST, NO_ROUTE, OK, SERVER_ERR, TASKD_CODE_KEY, Emitter, Pos,
-                   build_message, is_broadcast, log, message_event, pos_json, ranks_match, start_command_reader)
+from .wire import (ACK_TIMEOUT_S, ALL, EXCEED_MAX_REGISTRY_NUM, MAX_REGISTRATIONS, MGR, NET_STREAM_NOT_INITED,
+                   NETWORK_ACK_LOST, NETWORK_SEND_LOST, NO_ROUTE, OK, SERVER_ERR, Emitter, Pos, build_message,
+                   is_broadcast, level, log, message_event, msg_body, normalise_rank, parse_msg_body, pos_json,
+                   ranks_match, start_command_reader)
 
-# Like TaskD's server (§3.2): 8 MiB each way, keepalive 5 s with a 1 s timeout; and, like the
-# ClusterD stand-in, no SO_REUSEPORT, so a second server cannot silently share the port.
+# Like TaskD's server: 8 MiB each way, keepalive 5 s with a 1 s timeout; and, like the ClusterD
+# stand-in, no SO_REUSEPORT, so a second server cannot silently share the port.
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", 8 * 1024 * 1024),
     ("grpc.max_send_message_length", 8 * 1024 * 1024),
@@ -38,6 +59,8 @@ SERVER_OPTIONS = [
 # Sent as soon as a down stream is accepted, so a client can tell "accepted" from "not yet
 # refused" without waiting (TaskD itself sends no early headers; this is harmless to clients).
 ACCEPTED_METADATA = (("tasknet-stream", "accepted"),)
+
+PROFILING_CODES = (700, 701, 710, 711)  # all off, comm on, default on, both on
 
 
 @dataclass(eq=False)
@@ -55,8 +78,15 @@ class Entry:
     closed: asyncio.Event = field(default_factory=asyncio.Event)  # set when re-registered away
     stream: DownStream | None = None
     # TaskD holds one per-entry mutex across send and ack wait, so sync sends through one
-    # next hop are serialized (§3.6); so do we.
+    # next hop are serialized; so do we.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass
+class WorkerRecord:
+    """The business layer's view of one worker: where it said REGISTER from, and its last STATUS."""
+    pos: Pos
+    status: int | None = None
 
 
 class Manager(pb_grpc.TaskNetServicer):
@@ -65,14 +95,20 @@ class Manager(pb_grpc.TaskNetServicer):
         self.emit = emit
         self.entries: dict[Pos, Entry] = {}
         self.routes: dict[Pos, Pos] = {}
-        # Knobs for tests of the proxy's upward path ({"op":"config"}): the code the Mgr answers
-        # TransferMessage with, and a delay before answering.
+        self.workers: dict[str, WorkerRecord] = {}
+        # Knobs ({"op":"config"}) for tests of the proxy: the code the Mgr answers TransferMessage
+        # with, and delays before it answers TransferMessage, Register and PathDiscovery (a slow or
+        # busy manager; simulated slowness, not synchronisation).
         self.transfer_code = OK
         self.transfer_delay = 0.0
+        self.register_delay = 0.0
+        self.path_delay = 0.0
 
     # ---- RPCs -----------------------------------------------------------------------------------
 
     async def Register(self, request: pb.RegisterReq, context) -> pb.Ack:
+        if self.register_delay > 0:
+            await asyncio.sleep(self.register_delay)
         pos = Pos.of_pb(request.pos)
         old = self.entries.pop(pos, None)
         if old is not None:
@@ -84,23 +120,50 @@ class Manager(pb_grpc.TaskNetServicer):
         return pb.Ack(uuid=request.uuid, code=OK, src=self.pos.pb())
 
     async def PathDiscovery(self, request: pb.PathDiscoveryReq, context) -> pb.Ack:
+        if self.path_delay > 0:
+            await asyncio.sleep(self.path_delay)
         proxy = Pos.of_pb(request.proxyPos)
         path = [Pos.of_pb(p) for p in request.path]
         for p in path:
             self.routes[p] = proxy  # "reach p through this child"
-        self.emit(event="path", proxy_pos=proxy.json(), path=[p.json() for p in path])
+        self.emit(event="path", uuid=request.uuid, proxy_pos=proxy.json(), path=[p.json() for p in path])
         return pb.Ack(uuid=request.uuid, code=OK, src=self.pos.pb())
 
     async def TransferMessage(self, request: pb.Message, context) -> pb.Ack:
-        dst = Pos.of_pb(request.header.dst)
+        h = request.header
+        dst = Pos.of_pb(h.dst)
+        if level(dst.role) < level(self.pos.role):
+            return await self._route_from_below(request, dst, context)
         if not self._is_self(dst):
-            self.emit(event="transfer_refused", uuid=request.header.uuid, dst=dst.json(), code=NO_ROUTE)
-            await context.abort(grpc.StatusCode.UNKNOWN, f"manager does not route to {dst}",
-                                trailing_metadata=((TASKD_CODE_KEY, str(NO_ROUTE)),))
+            # Same level, another Mgr: TaskD would send it upstream, and a Mgr has no upstream.
+            self.emit(event="transfer_refused", uuid=h.uuid, dst=dst.json(), code=SERVER_ERR)
+            await context.abort(grpc.StatusCode.UNKNOWN,
+                                f"client not inited, role={self.pos.role}, srvRank={self.pos.server_rank}, "
+                                f"processRank={self.pos.process_rank}")
         self.emit(**message_event(request))
+        if self.transfer_code == OK:  # taken: the business layer sees it (after the ack, in TaskD)
+            asyncio.get_running_loop().call_soon(self._handle_business, request)
         if self.transfer_delay > 0:
             await asyncio.sleep(self.transfer_delay)  # simulated slowness, not synchronisation
-        return pb.Ack(uuid=request.header.uuid, code=self.transfer_code, src=self.pos.pb())
+        return pb.Ack(uuid=h.uuid, code=self.transfer_code, src=self.pos.pb())
+
+    async def _route_from_below(self, request: pb.Message, dst: Pos, context) -> pb.Ack:
+        """A direct level-1 client's message for a position below the Mgr: routed down like TaskD does.
+
+        A failure the Mgr makes itself is a Go error in TaskD, so the caller gets a bare UNKNOWN
+        status with text and no code; an Ack from a later hop is passed back as it is.
+        """
+        h = request.header
+        if is_broadcast(dst):
+            result = await self._broadcast(request, dst)
+        else:
+            result = await self._unicast(request, dst, wait_ack=h.sync)
+        self.emit(event="routed", uuid=h.uuid, src=pos_json(h.src), dst=dst.json(), **result)
+        if result.get("ack_src") is not None:
+            return pb.Ack(uuid=h.uuid, code=result["code"], src=Pos.of_json(result["ack_src"]).pb())
+        if result["code"] != OK:
+            await context.abort(grpc.StatusCode.UNKNOWN, result["error"] or "not delivered")
+        return pb.Ack(uuid=h.uuid, code=OK, src=self.pos.pb())
 
     async def InitServerDownStream(self, request_iterator, context) -> None:
         md = {m.key: m.value for m in context.invocation_metadata() or ()}
@@ -134,68 +197,132 @@ class Manager(pb_grpc.TaskNetServicer):
 
     def _is_self(self, dst: Pos) -> bool:
         # DstCase "self": the same level with matching (or All) ranks; the Mgr's processRank is -1.
-        return dst.role == self.pos.role and ranks_match(dst.server_rank, self.pos.server_rank)
+        return level(dst.role) == level(self.pos.role) and ranks_match(dst.server_rank, self.pos.server_rank)
 
-    # ---- commands -------------------------------------------------------------------------------
+    # ---- business layer (workers and the profiling switch) --------------------------------------
+
+    def _handle_business(self, msg: pb.Message) -> None:
+        body = parse_msg_body(msg.body)
+        if body is None:
+            return  # TaskD logs an unmarshal error and drops the message
+        src = Pos.of_pb(msg.header.src)
+        name = "Worker" + src.process_rank
+        if body["msg_type"] == "REGISTER":
+            self.workers[name] = WorkerRecord(src)  # a re-REGISTER overwrites and clears the status
+            self.emit(event="worker_registered", name=name, pos=src.json())
+        elif body["msg_type"] == "STATUS":
+            record = self.workers.get(name)
+            if record is None:  # TaskD: "worker name is unregistered", after having acked 0
+                self.emit(event="status_dropped", name=name, code=body["code"])
+            else:
+                record.status = body["code"]
+                self.emit(event="status", name=name, code=body["code"])
+
+    async def action(self, cmd: dict) -> None:
+        """Send ACTION `code` to every registered worker, each on its own task, like the profiling plugin."""
+        code = int(cmd["code"])
+        tries = max(1, int(cmd.get("tries", 1)))
+        interval = float(cmd.get("retry_interval", 3.0))
+        names = sorted(self.workers)
+        body = msg_body("ACTION", code)
+
+        async def one(name: str) -> None:
+            target = self.workers[name].pos
+            used = []
+            for attempt in range(1, tries + 1):
+                uuid = str(uuidlib.uuid4())  # a fresh message per try, as each send builds a new frame
+                used.append(uuid)
+                msg = build_message({"uuid": uuid, "dst": target.json(), "mtype": "default", "body": body},
+                                    self.pos, sync=True)
+                result = await self._unicast(msg, target, wait_ack=True)
+                # Only a Go error is a failure; an Ack (whatever its code) came from a later hop.
+                failed = result["code"] != OK and result.get("ack_src") is None
+                if not failed or attempt == tries:
+                    break
+                await asyncio.sleep(interval)  # the caller's retry policy, not synchronisation
+            self.emit(event="action_sent", name=name, uuid=uuid, uuids=used, code=result["code"],
+                      ack_src=result.get("ack_src"), error=result.get("error"), tries=attempt)
+
+        await asyncio.gather(*(one(n) for n in names))
+        self.emit(event="action_done", code=code, workers=names)
+
+    def worker_map(self) -> dict:
+        return {name: {"pos": r.pos.json(), "status": r.status} for name, r in sorted(self.workers.items())}
+
+    # ---- sending down ---------------------------------------------------------------------------
 
     async def send(self, cmd: dict) -> None:
         uuid = str(cmd.get("uuid", ""))
         result = {"code": OK, "ack_src": None, "error": None}
         try:
             dst = Pos.of_json(cmd["dst"])
-            if dst.role != "Worker":
-                dst = dst._replace(process_rank="-1")  # TaskD normalises non-Worker destinations
+            # What TaskD does to a destination before sending: "All" in a rank means "All", and a
+            # non-Worker has no process rank.
+            dst = Pos(dst.role, normalise_rank(dst.server_rank),
+                      normalise_rank(dst.process_rank) if dst.role == "Worker" else "-1")
             cmd = {**cmd, "dst": dst.json()}
             if is_broadcast(dst):
-                result.update(await self._broadcast(cmd, dst))
+                result.update(await self._broadcast(build_message(cmd, self.pos, sync=False), dst))
             else:
-                result.update(await self._unicast(cmd, dst))
+                sync = bool(cmd.get("sync"))
+                result.update(await self._unicast(build_message(cmd, self.pos, sync=sync), dst, wait_ack=sync))
         except Exception as exc:
             log.exception("send %s failed", uuid)
             result.update(code=SERVER_ERR, error=repr(exc))
         self.emit(event="sent", uuid=uuid, **result)
 
-    async def _unicast(self, cmd: dict, dst: Pos) -> dict:
-        hop = self.routes.get(dst)
+    async def _unicast(self, msg: pb.Message, dst: Pos, wait_ack: bool) -> dict:
+        hop = self.routes.get(dst)  # exact key: a rank list is never one
         if hop is None:
-            return {"code": NO_ROUTE, "error": f"no route to {dst}"}
+            return {"code": NO_ROUTE, "ack_src": None, "error": f"no route to {dst}"}
         entry = self.entries.get(hop)
         if entry is None:
-            return {"code": NO_ROUTE, "error": f"next hop {hop} is not registered"}
-        return await self._send_to(entry, build_message(cmd, self.pos), wait_ack=bool(cmd.get("sync")))
+            return {"code": NO_ROUTE, "ack_src": None, "error": f"next hop {hop} is not registered"}
+        return await self._send_to(entry, msg, wait_ack=wait_ack)
 
-    async def _broadcast(self, cmd: dict, dst: Pos) -> dict:
-        hops: list[Pos] = []
+    def _broadcast_hops(self, dst: Pos) -> list[Pos]:
+        """One next hop per matching routeTable entry; several entries through one hop give it several copies."""
+        hops = []
         for target, hop in list(self.routes.items()):
-            if (target.role == dst.role and ranks_match(dst.server_rank, target.server_rank)
-                    and ranks_match(dst.process_rank, target.process_rank) and hop not in hops):
-                hops.append(hop)
-        msg = build_message(cmd, self.pos, sync=False)  # broadcast is never sync
+            if target.role != dst.role:
+                continue
+            if not (dst.server_rank == ALL or dst.server_rank == target.server_rank):
+                continue
+            if dst.role == "Worker" and not (dst.process_rank == ALL or dst.process_rank == target.process_rank):
+                continue
+            hops.append(hop)
+        return hops
+
+    async def _broadcast(self, msg: pb.Message, dst: Pos) -> dict:
+        hops = self._broadcast_hops(dst)
+        copy = pb.Message()
+        copy.CopyFrom(msg)
+        copy.header.sync = False  # a broadcast is never sync
 
         async def one(hop: Pos) -> dict:
             entry = self.entries.get(hop)
             if entry is None:
                 return {"code": NO_ROUTE, "error": f"next hop {hop} is not registered"}
-            return await self._send_to(entry, msg, wait_ack=False)
+            return await self._send_to(entry, copy, wait_ack=False)
 
         results = await asyncio.gather(*(one(h) for h in hops))
         failed = [{"hop": h.json(), **r} for h, r in zip(hops, results) if r["code"] != OK]
-        # Like TaskD, the broadcast itself reports OK; the per-hop outcome is extra detail.
-        return {"code": OK, "hops": [h.json() for h in hops], "failed": failed}
+        # Like TaskD, the broadcast itself reports OK (also with zero hops); the rest is detail.
+        return {"code": OK, "ack_src": None, "error": None, "hops": [h.json() for h in hops], "failed": failed}
 
     async def _send_to(self, entry: Entry, msg: pb.Message, wait_ack: bool) -> dict:
         async with entry.lock:
             stream = entry.stream
             if stream is None:
-                return {"code": NET_STREAM_NOT_INITED, "error": f"{entry.pos} has no stream"}
+                return {"code": NET_STREAM_NOT_INITED, "ack_src": None, "error": f"{entry.pos} has no stream"}
             if not stream.alive:
-                return {"code": NETWORK_SEND_LOST, "error": f"stream of {entry.pos} is closed"}
+                return {"code": NETWORK_SEND_LOST, "ack_src": None, "error": f"stream of {entry.pos} is closed"}
             try:
                 await stream.context.write(msg)
             except Exception as exc:
-                return {"code": NETWORK_SEND_LOST, "error": repr(exc)}
+                return {"code": NETWORK_SEND_LOST, "ack_src": None, "error": repr(exc)}
             if not wait_ack:
-                return {"code": OK}
+                return {"code": OK, "ack_src": None, "error": None}
             uuid = msg.header.uuid
             loop = asyncio.get_running_loop()
             deadline = loop.time() + ACK_TIMEOUT_S
@@ -203,10 +330,11 @@ class Manager(pb_grpc.TaskNetServicer):
                 try:
                     ack = await asyncio.wait_for(stream.acks.get(), max(0.0, deadline - loop.time()))
                 except TimeoutError:
-                    return {"code": NETWORK_ACK_LOST, "error": f"no ack for {uuid} within {ACK_TIMEOUT_S}s"}
+                    return {"code": NETWORK_ACK_LOST, "ack_src": None, "error": "ack time out"}
                 # TaskD takes any ack; we match the uuid and drop late acks of earlier messages.
                 if ack.uuid == uuid:
-                    return {"code": ack.code, "ack_src": pos_json(ack.src) if ack.HasField("src") else None}
+                    return {"code": ack.code, "ack_src": pos_json(ack.src) if ack.HasField("src") else None,
+                            "error": None}
                 log.warning("dropping ack %s while waiting for %s", ack.uuid, uuid)
 
     def route_list(self) -> list:
@@ -215,6 +343,13 @@ class Manager(pb_grpc.TaskNetServicer):
     def entry_list(self) -> list:
         return [{"pos": e.pos.json(), "stream": None if e.stream is None else ("open" if e.stream.alive else "closed")}
                 for e in self.entries.values()]
+
+    def configure(self, cmd: dict) -> None:
+        for knob in ("transfer_delay", "register_delay", "path_delay"):
+            if knob in cmd:
+                setattr(self, knob, float(cmd[knob]))
+        if "transfer_code" in cmd:
+            self.transfer_code = int(cmd["transfer_code"])
 
 
 async def run(listen: str) -> int:
@@ -234,23 +369,38 @@ async def run(listen: str) -> int:
 
     commands = start_command_reader(asyncio.get_running_loop())
     in_flight: set[asyncio.Task] = set()
+
+    def spawn(coro) -> None:
+        task = asyncio.create_task(coro)
+        in_flight.add(task)
+        task.add_done_callback(in_flight.discard)
+
     while (cmd := await commands.get()) is not None:
         op = cmd.get("op")
-        if op == "quit":
-            break
-        if op == "send":
-            task = asyncio.create_task(manager.send(cmd))
-            in_flight.add(task)
-            task.add_done_callback(in_flight.discard)
-        elif op == "routes":
-            emit(event="routes", routes=manager.route_list())
-        elif op == "entries":
-            emit(event="entries", entries=manager.entry_list())
-        elif op == "config":
-            manager.transfer_code = int(cmd.get("transfer_code", manager.transfer_code))
-            manager.transfer_delay = float(cmd.get("transfer_delay", manager.transfer_delay))
-            emit(event="configured")
-        else:
-            emit(event="error", error=f"unknown op {op!r}")
+        try:
+            if op == "quit":
+                break
+            if op == "send":
+                spawn(manager.send(cmd))
+            elif op == "action":
+                if int(cmd.get("code", -1)) not in PROFILING_CODES:
+                    emit(event="error", error=f"action code must be one of {PROFILING_CODES}: {cmd.get('code')!r}")
+                else:
+                    spawn(manager.action(cmd))
+            elif op == "workers":
+                emit(event="workers", workers=manager.worker_map())
+            elif op == "routes":
+                emit(event="routes", routes=manager.route_list())
+            elif op == "entries":
+                emit(event="entries", entries=manager.entry_list())
+            elif op == "config":
+                manager.configure(cmd)
+                emit(event="configured")
+            else:
+                emit(event="error", error=f"unknown op {op!r}")
+        except (TypeError, ValueError, KeyError) as exc:
+            emit(event="error", error=f"bad command {cmd!r}: {exc!r}")
+    for task in list(in_flight):
+        task.cancel()
     await server.stop(0)
     return 0

@@ -18,8 +18,9 @@ from agent._proto import tasknet_pb2 as pb
 
 log = logging.getLogger("tasknet-peer")
 
-# TaskD's net return codes (NET/common/code.go, reference/taskd.md §3.10), the ones the peers use.
+# TaskD's net return codes (NET/common/code.go), the ones the peers use.
 OK = 0
+RECV_BUF_BUSY = 5001
 NO_ROUTE = 5002
 EXCEED_MAX_REGISTRY_NUM = 5003
 SERVER_ERR = 5999
@@ -28,8 +29,8 @@ NETWORK_ACK_LOST = 6001
 NET_STREAM_NOT_INITED = 6002
 
 ALL = "All"
-ACK_TIMEOUT_S = 3.0       # TaskD's AckTimeout for downward sync sends (§3.6)
-MAX_REGISTRATIONS = 5000  # per server (§3.2)
+ACK_TIMEOUT_S = 3.0       # TaskD's AckTimeout for downward sync sends
+MAX_REGISTRATIONS = 5000  # per server
 TASKD_CODE_KEY = "taskd-code"  # trailing-metadata key the proxy under test uses for TaskD codes
 
 
@@ -70,11 +71,31 @@ def message_event(msg: pb.Message) -> dict:
             "src": pos_json(h.src), "dst": pos_json(h.dst), "body": msg.body}
 
 
+def command_body(cmd: dict) -> str:
+    """A send command's body: ``"x" * body_size`` when given (big bodies stay off stdin), else ``body``."""
+    if cmd.get("body_size") is not None:
+        return "x" * int(cmd["body_size"])
+    return str(cmd.get("body", ""))
+
+
 def build_message(cmd: dict, src: Pos, sync: bool | None = None) -> pb.Message:
     header = pb.MessageHeader(uuid=str(cmd["uuid"]), mtype=str(cmd.get("mtype", "DEFAULT")),
                               sync=bool(cmd.get("sync", False)) if sync is None else sync,
                               src=src.pb(), dst=Pos.of_json(cmd["dst"]).pb())
-    return pb.Message(header=header, body=str(cmd.get("body", "")))
+    return pb.Message(header=header, body=command_body(cmd))
+
+
+# TaskD's levels by role; any other role is level -1 (TaskD then takes the destination as "lower").
+LEVELS = {"Mgr": 3, "Proxy": 2, "Agent": 1, "Worker": 1}
+
+
+def level(role: str) -> int:
+    return LEVELS.get(role, -1)
+
+
+def normalise_rank(rank: str) -> str:
+    """What an originator does to a destination rank: anything containing "All" becomes "All"."""
+    return ALL if ALL in rank else rank
 
 
 def is_broadcast(dst: Pos) -> bool:
@@ -82,8 +103,30 @@ def is_broadcast(dst: Pos) -> bool:
 
 
 def ranks_match(pattern: str, rank: str) -> bool:
-    """A destination rank field ("3", "1,2" or anything containing "All") against one concrete rank."""
-    return ALL in pattern or rank in pattern.split(",")
+    """A destination rank field against one concrete rank, as TaskD compares them: the same string,
+    or "All".  Comma lists are never split: "0,1" matches neither "0" nor "1"."""
+    return ALL in pattern or pattern == rank
+
+
+def msg_body(msg_type: str, code: int, message: str = "", extension: dict | None = None) -> str:
+    """A business body as TaskD's Go code marshals its MsgBody: compact, fields in this order, no omitempty."""
+    return json.dumps({"msg_type": msg_type, "code": code, "message": message, "extension": extension},
+                      separators=(",", ":"), ensure_ascii=False)
+
+
+def parse_msg_body(body: str) -> dict | None:
+    """The MsgBody in a message body, or None when it is not one (TaskD logs and ignores such bodies)."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("msg_type", ""), str):
+        return None
+    code = parsed.get("code", 0)
+    if isinstance(code, bool) or not isinstance(code, int):
+        return None
+    return {"msg_type": parsed.get("msg_type", ""), "code": code, "message": parsed.get("message", ""),
+            "extension": parsed.get("extension")}
 
 
 class Emitter:
