@@ -108,8 +108,8 @@ class TaskdProxyConfig:
     hold_seconds: float = 60.0  # how long a message waits for an unreachable manager
     queue_limit: int = 1024  # messages held per job while its manager is unreachable
     # Bytes of messages the proxy may hold (on their way to a manager, or queued for a worker): per
-    # job and for the node. Python holds a message about 2.5 times over, so the node default fits
-    # the chart's 512 MiB memory limit with room.
+    # job and for the node. Messages are held in their wire form, so the node default fits the
+    # chart's 512 MiB memory limit with room.
     job_buffer_mb: int = 32
     node_buffer_mb: int = 64
 

@@ -79,14 +79,6 @@ class Frame:
             self._header_bytes = b""
         self._spans = spans
 
-    @classmethod
-    def of(cls, message: pb.Message) -> "Frame":
-        return cls(message.SerializeToString())
-
-    @property
-    def size(self) -> int:
-        return len(self.raw)
-
     @property
     def uuid(self) -> str:
         return self.header.uuid if self.header is not None else ""
@@ -103,10 +95,6 @@ class Frame:
             at = end
         parts.append(self.raw[at:])
         return _encode_header(encoded) + b"".join(parts)
-
-    def message(self) -> pb.Message:
-        """The whole message parsed (for tests and logs, not on the relay's path)."""
-        return pb.Message.FromString(self.wire())
 
 
 def _encode_header(encoded: bytes) -> bytes:

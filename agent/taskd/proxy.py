@@ -1,4 +1,4 @@
-"""The node-level TaskD proxy: TaskNet (`reference/taskd.md` §3) for every training process on the
+"""The node-level TaskD proxy: TaskD's TaskNet for every training process on the
 node, one manager link per job.
 
 Workers do not say which job they belong to, and the same position ("Worker 0 3") exists in every
@@ -291,7 +291,22 @@ class TaskdProxy:
 
     # --- routing -------------------------------------------------------------------------------
 
-    async def _from_manager(self, job: Job, frame: Frame) -> pb.Ack | None:
+    async def _from_manager(self, job: Job, raw: bytes) -> pb.Ack | None:
+        """Route a message the manager sent down: the ack to write back on its stream, for a sync
+        message; None otherwise (TaskD answers only those)."""
+        try:
+            frame = Frame(raw)
+        except Malformed as exc:
+            self.messages["down", "invalid"] += 1
+            if ("malformed", job.name) not in self._logged:
+                self._logged.add(("malformed", job.name))
+                log.warning("message from the TaskD manager does not parse; dropped (logged once per job)",
+                            extra={"job": job.name, "error": str(exc), "bytes": len(raw)})
+            return None
+        ack = await self._route_from_manager(job, frame)
+        return ack if frame.header is not None and frame.header.sync else None  # a broadcast is async by now
+
+    async def _route_from_manager(self, job: Job, frame: Frame) -> pb.Ack | None:
         uid = frame.uuid
         try:
             dst = checked_destination(frame.header)

@@ -1,4 +1,4 @@
-"""TaskNet positions, message validation and routing decisions (pure; TaskD `reference/taskd.md` §3.2-3.5).
+"""TaskNet positions, message validation and routing decisions (pure; as TaskD's net layer decides them).
 
 One `RouteTable` per job: the node proxy plays a TaskD proxy for each job separately, so a
 position ("Worker 0 3") only ever means something inside its own job.

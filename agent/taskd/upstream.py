@@ -1,7 +1,7 @@
 """One job's link to its TaskD manager: register as the job's proxy, announce its workers, carry
 messages up, take the manager's messages down, and hold messages while the manager is away.
 
-What TaskD's proxy lacks and this adds (`reference/taskd.md` §3.4-3.9): a dial timeout with backoff,
+What TaskD's proxy lacks and this adds: a dial timeout with backoff,
 a bounded queue that keeps messages in order while the manager is unreachable (each caller waits
 for the manager's ack, or is told "not delivered" when the queue is full or its deadline passes),
 and, after every reconnect, a path discovery for every worker still connected, so a restarted
@@ -26,7 +26,6 @@ import grpc
 
 from agent._proto import tasknet_pb2 as pb
 from agent._proto import tasknet_pb2_grpc as pb_grpc
-from agent.taskd.frames import Frame, Malformed
 from agent.taskd.routes import Code, Position
 
 log = logging.getLogger(__name__)
@@ -68,12 +67,11 @@ class Held:
 class LinkCounters:
     connects: int = 0  # links established (registration and path replay done)
     held_delivered: int = 0  # messages delivered after waiting for the manager
-    malformed: int = 0  # messages from the manager that did not parse
 
 
 class ManagerLink:
     def __init__(self, job: str, address: str, me: Position, *,
-                 on_message: Callable[[Frame], Awaitable[pb.Ack | None]],
+                 on_message: Callable[[bytes], Awaitable[pb.Ack | None]],
                  dial_timeout_s: float = 5.0, hold_s: float = 60.0, queue_limit: int = 1024,
                  rpc_timeout_s: float = 30.0):
         self.job = job
@@ -260,7 +258,7 @@ class ManagerLink:
         self._announced = set()  # a new manager, or a restarted one, knows nobody
         await self._announce_known(stub)
         me = self.me
-        # Messages in both directions stay in their wire form (frames.py): no body is parsed here.
+        # Messages in both directions stay in their wire form (frames.py): the link parses none.
         transfer = channel.unary_unary("/TaskNet/TransferMessage", request_serializer=None,
                                        response_deserializer=pb.Ack.FromString)
         down = channel.stream_stream("/TaskNet/InitServerDownStream", request_serializer=pb.Ack.SerializeToString,
@@ -281,14 +279,7 @@ class ManagerLink:
                 raw = await call.read()
                 if raw is grpc.aio.EOF:
                     raise LinkDown("the manager closed the stream")
-                try:
-                    frame = Frame(raw)
-                except Malformed as exc:
-                    self.counters.malformed += 1
-                    log.warning("message from the TaskD manager does not parse; dropped", extra={
-                        "job": self.job, "manager": self.address, "error": str(exc), "bytes": len(raw)})
-                    continue
-                task = asyncio.create_task(self._deliver(call, frame))
+                task = asyncio.create_task(self._deliver(call, raw))
                 self._deliveries.add(task)
                 task.add_done_callback(self._deliveries.discard)
         except asyncio.CancelledError:
@@ -296,9 +287,9 @@ class ManagerLink:
                 raise LinkDown(self._down_reason) from None
             raise
 
-    async def _deliver(self, call, frame: Frame) -> None:
-        ack = await self._on_message(frame)
-        if ack is None or frame.header is None or not frame.header.sync:  # a broadcast is made async on its way
+    async def _deliver(self, call, raw: bytes) -> None:
+        ack = await self._on_message(raw)  # the ack of a sync message, None otherwise
+        if ack is None:
             return
         try:
             async with self._write_lock:

@@ -45,6 +45,14 @@ class Node:
         self.workers[job, rank] = peer
         return peer
 
+    def start_job(self, job, ranks=RANKS):
+        """The job's manager and its workers, once the manager has every worker's path."""
+        mgr = self.start_manager(job)
+        for rank in ranks:
+            self.start_worker(job, rank)
+        wait_until(lambda: len(mgr.events("path")) >= len(ranks), 10, f"{len(ranks)} path discoveries")
+        return mgr
+
     def close(self):
         for peer in [*self.workers.values(), *self.managers.values()]:
             peer.stop()
@@ -126,10 +134,7 @@ def test_two_jobs_with_the_same_positions_never_mix(node):
 
 def test_manager_restart_loses_no_accepted_message_and_reaches_workers_again(node):
     n = node()
-    mgr = n.start_manager("job-a")
-    for rank in RANKS:
-        n.start_worker("job-a", rank)
-    wait_until(lambda: len(mgr.events("path")) >= 4, 10, "four path discoveries")
+    mgr = n.start_job("job-a")
     first = n.workers["job-a", 0].transfer(MGR, sync=True, uuid="before")
     assert first["code"] == 0
 
@@ -168,10 +173,7 @@ def test_manager_restart_loses_no_accepted_message_and_reaches_workers_again(nod
 
 def test_disconnected_worker_leaves_routing_and_unreachable_manager_is_reported(node):
     n = node(hold_seconds=1, queue_limit=2)
-    mgr = n.start_manager("job-a")
-    for rank in (0, 1):
-        n.start_worker("job-a", rank)
-    wait_until(lambda: len(mgr.events("path")) >= 2, 10, "two path discoveries")
+    mgr = n.start_job("job-a", ranks=(0, 1))
     n.workers["job-a", 1].stop()
     n.agent.wait_for_log("TaskD process disconnected; its routes removed", position="Worker/0/1")
     sent = mgr.transfer(pos("Worker", 0, 1), sync=True, body="gone?")
@@ -277,10 +279,7 @@ def test_routes_are_never_lost_whatever_the_order_of_joins(node):
 
 def test_proxy_restart_every_worker_rejoins_and_is_reached(node):
     n = node(listen=f"127.0.0.1:{free_port()}")  # the workers dial the same address again
-    mgr = n.start_manager("job-a")
-    for rank in RANKS:
-        n.start_worker("job-a", rank)
-    wait_until(lambda: len(mgr.events("path")) >= 4, 10, "four path discoveries")
+    mgr = n.start_job("job-a")
     for restart in range(2):
         marks = {rank: n.workers["job-a", rank].mark() for rank in RANKS}
         n.agent.stop()
@@ -298,10 +297,7 @@ def test_proxy_restart_every_worker_rejoins_and_is_reached(node):
 
 def test_rank_lists_and_broadcasts_as_taskd_routes_them(node):
     n = node()
-    mgr = n.start_manager("job-a")
-    for rank in RANKS:
-        n.start_worker("job-a", rank)
-    wait_until(lambda: len(mgr.events("path")) >= 4, 10, "four path discoveries")
+    mgr = n.start_job("job-a")
     sender = n.workers["job-a", 0]
     # A rank list is one key to TaskD: no route, and no worker would take it anyway.
     for dst in (pos("Worker", 0, "1,2"), pos("Worker", "All", "1,2"), pos("Worker", 1, "All")):

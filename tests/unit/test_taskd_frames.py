@@ -18,7 +18,7 @@ def header(**changes):
 def test_unchanged_header_sends_the_very_same_bytes():
     raw = pb.Message(header=header(), body="x" * 100_000).SerializeToString()
     frame = Frame(raw)
-    assert frame.uuid == "u1" and frame.size == len(raw)
+    assert frame.uuid == "u1" and len(frame.raw) == len(raw)
     frame.header.dst.CopyFrom(pb.Position(role="Mgr", serverRank="0", processRank="7"))  # same value
     assert frame.wire() is raw
 

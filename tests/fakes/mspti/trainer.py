@@ -26,14 +26,11 @@ import argparse
 import json
 import logging
 import os
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
-from typing import Callable
 
-REPO = Path(__file__).resolve().parents[3]
+from tests.fakes.tasknet.driver import REPO, PeerProcess
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,97 +90,43 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-class Trainer:
+class Trainer(PeerProcess):
     """Test side: one trainer process, its events, and request/response over its pipes."""
 
     def __init__(self, rank: int, env: dict, *, give_up: float | None = None,
                  register_delays: list[float] | None = None, start_timeout: float = 30.0):
-        args = [sys.executable, "-m", "tests.fakes.mspti.trainer", "--rank", str(rank)]
+        args = ["--rank", str(rank)]
         if give_up is not None:
             args += ["--give-up", str(give_up)]
         if register_delays is not None:
             args += ["--register-delays", ",".join(str(d) for d in register_delays)]
+        super().__init__(args, env, name=f"trainer rank {rank}", module="tests.fakes.mspti.trainer",
+                         inherit_env=False, stderr_lines=None)
         self.rank = rank
-        self.env = env
-        self._events: list[dict] = []
-        self._stderr: list[str] = []
-        self._cond = threading.Condition()
-        self._eof = False
         self._next_id = 0
-        self.process = subprocess.Popen(args, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True, bufsize=1)
-        threading.Thread(target=self._read_stdout, daemon=True).start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
-        self.started = self.wait_event(lambda e: e.get("event") == "started", start_timeout)
+        self.started = self.wait_event("started", start_timeout)
 
-    def _read_stdout(self) -> None:
-        for line in self.process.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                event = {"event": "garbage", "line": line}
-            with self._cond:
-                self._events.append(event)
-                self._cond.notify_all()
-        with self._cond:
-            self._eof = True
-            self._cond.notify_all()
-
-    def _read_stderr(self) -> None:
-        for line in self.process.stderr:
-            with self._cond:
-                self._stderr.append(line)
-
-    def stderr(self) -> str:
-        with self._cond:
-            return "".join(self._stderr)
-
-    def wait_event(self, match: Callable[[dict], bool], timeout: float = 20.0) -> dict:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for event in self._events:
-                    if match(event):
-                        return event
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._eof:
-                    break
-                self._cond.wait(remaining)
-        raise AssertionError(f"trainer rank {self.rank}: {'exited' if self._eof else 'timed out'}; events "
-                             f"{self._events[-20:]}\n--- stderr tail ---\n{self.stderr()[-4000:]}")
-
-    def request(self, op: str, timeout: float = 30.0, **fields) -> dict:
+    def _ask(self, op: str, timeout: float = 30.0, **fields) -> dict:
         self._next_id += 1
         cid = self._next_id
-        self.process.stdin.write(json.dumps({"op": op, "id": cid, **fields}) + "\n")
-        self.process.stdin.flush()
+        self.send(op=op, id=cid, **fields)
         return self.wait_event(lambda e: e.get("id") == cid, timeout)
 
     def emit(self, name: str, domain: str, count: int) -> dict:
-        return self.request("emit", name=name, domain=domain, count=count)
+        return self._ask("emit", name=name, domain=domain, count=count)
 
     def stats(self) -> dict:
-        return self.request("stats")["stats"]
+        return self._ask("stats")["stats"]
 
     def state(self) -> int:
-        return self.request("stats")["state"]
+        return self._ask("stats")["state"]
+
+    def stderr(self) -> str:
+        return self.stderr_tail(None)
 
     def stop(self, timeout: float = 20.0) -> int | None:
         """Quit (the atexit hook stops the worker); SIGKILL and None if it does not go in time."""
-        if self.process.poll() is None:
-            try:
-                self.process.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.process.stdin.flush()
-                self.process.stdin.close()
-            except (BrokenPipeError, ValueError, OSError):
-                pass
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-                return None
-        return self.process.returncode
+        return super().stop(timeout)
 
 
 def trainer_env(fake_library: Path, root: Path, switch: Path, **extra: str) -> dict:

@@ -51,21 +51,27 @@ def free_port(hosts: Iterable[str] = ("127.0.0.1",), attempts: int = 50) -> int:
 
 
 class PeerProcess:
-    """One peer (`python -m tests.fakes.tasknet.peer ...`) and the events it has printed so far."""
+    """One peer (`python -m tests.fakes.tasknet.peer ...`) and the events it has printed so far.
 
-    def __init__(self, args: list[str], env: dict | None = None, name: str | None = None, cgroup: Path | None = None):
+    Other stand-ins driven the same way (JSON commands in, one JSON event per stdout line) pass their
+    own `module`; `inherit_env=False` runs them with exactly `env`; `stderr_lines=None` keeps all of
+    stderr."""
+
+    def __init__(self, args: list[str], env: dict | None = None, name: str | None = None, cgroup: Path | None = None,
+                 *, module: str = "tests.fakes.tasknet.peer", inherit_env: bool = True,
+                 stderr_lines: int | None = 200):
         self.args = list(args)
         self.name = name or " ".join(self.args[:1] + self.args[-4:])
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**(os.environ if inherit_env else {}), **(env or {})}
         self._events: list[dict] = []
-        self._stderr: collections.deque[str] = collections.deque(maxlen=200)
+        self._stderr: collections.deque[str] = collections.deque(maxlen=stderr_lines)
         self._cond = threading.Condition()
         self._eof = False
         self.port: int | None = None  # a manager's bound port (from its ready event)
         self.address: str | None = None  # a manager's "host:port" to dial
         self.pos: dict | None = None  # a worker's own position
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.fakes.tasknet.peer", *self.args], cwd=REPO, env=self.env,
+            [sys.executable, "-m", module, *self.args], cwd=REPO, env=self.env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
             preexec_fn=(lambda: (cgroup / "cgroup.procs").write_text("0")) if cgroup else None)  # e.g. a pod's
         threading.Thread(target=self._read_stdout, name=f"peer-out {self.name}", daemon=True).start()
@@ -127,8 +133,10 @@ class PeerProcess:
                              + "\n".join(json.dumps(e) for e in seen[-50:])
                              + "\n--- stderr tail ---\n" + self.stderr_tail())
 
-    def stderr_tail(self, lines: int = 30) -> str:
-        return "".join(list(self._stderr)[-lines:])
+    def stderr_tail(self, lines: int | None = 30) -> str:
+        """The last `lines` lines of stderr (None: all that is kept)."""
+        kept = list(self._stderr)
+        return "".join(kept[-lines:] if lines else kept)
 
     def events(self, kind: str | None = None) -> list[dict]:
         with self._cond:
