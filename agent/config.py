@@ -73,6 +73,10 @@ class ClusterdConfig:
     address: str = "clusterd-grpc-svc.mindx-dl.svc.cluster.local:8899"
     resource: str = "npu-node-agent"
     public_codes: dict[str, str] = field(default_factory=_default_public_codes)
+    # Re-send the public faults ClusterD should hold (and the recent recovers it should not) this
+    # often, for a ClusterD that restarted without this agent noticing (behind a proxy). One request
+    # per node with faults; nothing at all from a node without.
+    reconcile_interval_seconds: float = 300.0
 
 
 @dataclass
@@ -274,6 +278,8 @@ def validate(config: Config) -> list[str]:
               "is not a fault level")
         check(bool(re.fullmatch(r"\d{9}", code)), f"clusterd.public_codes.{level}",
               f"{code!r} is not a 9-digit public fault code")
+    check(30 <= config.clusterd.reconcile_interval_seconds <= 86400, "clusterd.reconcile_interval_seconds",
+          f"{config.clusterd.reconcile_interval_seconds} is out of range 30..86400")
     check(0 < config.profiling.disk_limit_mb, "profiling.disk_limit_mb", "must be positive")
     proxy = config.taskd_proxy
     check(1 <= proxy.manager_port <= 65535, "taskd_proxy.manager_port", "is not a port number")

@@ -82,19 +82,40 @@ class AgentCollector:
             for result, count in sorted(sink.counters.items()):
                 reports.add_metric([node, sink.name, result], count)
         yield reports
-        clusterd = [sink for sink in self._sinks if hasattr(sink, "coalesced")]
+        clusterd = [sink for sink in self._sinks if hasattr(sink, "reconciles")]
         if clusterd:
-            coalesced = CounterMetricFamily(
-                "npu_agent_clusterd_coalesced_transitions_total",
-                "Recover/occur pairs of one public fault too close together for ClusterD to keep, not sent",
-                labels=["node"])
-            coalesced.add_metric([node], clusterd[0].coalesced)
-            deferred = GaugeMetricFamily("npu_agent_clusterd_deferred_occurs",
-                                         "Public fault occurs waiting until ClusterD has deleted the fault's recovery",
-                                         labels=["node"])
-            deferred.add_metric([node], clusterd[0].deferred)
-            yield coalesced
-            yield deferred
+            held = GaugeMetricFamily("npu_agent_clusterd_public_faults",
+                                     "Public faults ClusterD holds for this node, as far as it acknowledged",
+                                     labels=["node"])
+            held.add_metric([node], clusterd[0].held)
+            reconciles = CounterMetricFamily(
+                "npu_agent_clusterd_reconciles_total",
+                "Times the agent re-sent what ClusterD should hold (and recent recovers), by reason",
+                labels=["node", "reason"])
+            for reason, count in sorted(clusterd[0].reconciles.items()):
+                reconciles.add_metric([node, reason], count)
+            restarts = CounterMetricFamily("npu_agent_task_restarts_total",
+                                           "Background tasks restarted after an unexpected error", labels=["node", "task"])
+            restarts.add_metric([node, "clusterd"], clusterd[0].crashes)
+            yield held
+            yield reconciles
+            yield restarts
+        writes = CounterMetricFamily("npu_agent_state_write_failures_total",
+                                     "Failed writes of state the agent keeps on disk (retried with backoff)",
+                                     labels=["node", "file"])
+        for write in [*self._faults.writes, *(w for sink in self._sinks for w in [getattr(sink, "writes", None)] if w)]:
+            writes.add_metric([node, write.what], write.failures)
+        yield writes
+        clamped = CounterMetricFamily("npu_agent_driver_fault_times_clamped_total",
+                                      "Driver fault times older than the agent's start, replaced by when it saw the fault",
+                                      labels=["node"])
+        clamped.add_metric([node], self._faults.clamped_times)
+        yield clamped
+        resets = GaugeMetricFamily("npu_agent_fault_log_reset",
+                                   "1 when this start found the fault log lost or cut and began a new epoch",
+                                   labels=["node"])
+        resets.add_metric([node], 1 if self._log.resets else 0)
+        yield resets
 
         revision = GaugeMetricFamily("npu_agent_fault_log_revision", "Revision of the last change in the durable fault log",
                                      labels=["node"])

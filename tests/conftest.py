@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
+import subprocess
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -17,3 +22,50 @@ def reference_dir() -> Path:
     if not (REFERENCE / "faultCode.json").is_file():
         pytest.fail(f"reference data not found at {REFERENCE}; set NPU_AGENT_REFERENCE_DIR")
     return REFERENCE
+
+
+class SmallFs:
+    """A tmpfs of its own: a real file system a test can fill up or remount read-only under a process."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def fill(self) -> None:
+        """Use up every free byte: the next write that needs a new block fails with ENOSPC."""
+        with open(self.path / ".filler", "ab", buffering=0) as handle:
+            try:
+                while True:
+                    handle.write(b"\0" * 4096)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+
+    def free(self) -> None:
+        (self.path / ".filler").unlink(missing_ok=True)
+
+    def read_only(self, on: bool = True, timeout: float = 10.0) -> None:
+        """Remount; a file open for writing at that moment makes the kernel refuse (EBUSY): try again."""
+        deadline = time.monotonic() + timeout
+        while True:
+            done = subprocess.run(["mount", "-o", f"remount,{'ro' if on else 'rw'}", str(self.path)],
+                                  capture_output=True, text=True)
+            if done.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"cannot remount {self.path}: {done.stderr.strip()}")
+            time.sleep(0.01)
+
+
+@pytest.fixture
+def small_fs():
+    path = Path(tempfile.mkdtemp(prefix="npa-fs-", dir="/tmp"))
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(path)], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        shutil.rmtree(path, ignore_errors=True)
+        detail = exc.stderr.decode().strip() if isinstance(exc, subprocess.CalledProcessError) else str(exc)
+        pytest.skip(f"a full or read-only disk needs a tmpfs of its own, and this machine cannot mount one "
+                    f"(needs root with CAP_SYS_ADMIN): {detail}")
+    yield SmallFs(path)
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,12 +1,23 @@
-"""The ClusterD sink: every public-fault transition, in order, to `/PubFault/SendPublicFault`.
+"""The ClusterD sink: keeps ClusterD's public-fault cache equal to this node's public faults.
 
 It walks the durable fault log from its cursor, turns each device change into occur/recover
 transitions against what ClusterD has acknowledged, sends them in batches of up to 100 at no more
 than one request a second (ClusterD's per-resource budget is shared by the whole cluster), and
-advances its cursor only after ClusterD answered 0. Nothing is sent twice on purpose, and nothing
-is dropped: a rate-limited (410) or unreachable ClusterD is retried with backoff and jitter; a
-rejected request (409) cannot happen for requests that passed the same validation here, so it is
-logged with the request as a bug and skipped.
+advances its cursor, saved with its view of ClusterD, only after ClusterD answered 0. A rate-limited
+(410) or unreachable ClusterD is retried with backoff and jitter; a rejected request (409) cannot
+happen for requests that passed the same validation here, so it is logged with the request as a bug.
+
+Delivering every change once is not enough: ClusterD loses faults (a restart without its saved
+cache), brings recovered ones back (a restart loses its queue of pending deletions), and a request
+that timed out may still land. So the sink re-asserts its view (`clusterd_batch.reassertion`)
+whenever ClusterD may have lost it: at start, when the connection to ClusterD dropped or a request
+failed (and once more `FOLLOW_UP_S` later, for a ClusterD that reloads its cache after it started
+serving), and every `reconcile_interval_seconds`. A node with no fault held or recently recovered
+sends nothing.
+
+The sink never dies: a failed cursor write keeps the cursor in memory and is retried with backoff
+(delivery goes on meanwhile), an unexpected error restarts the delivery loop with backoff, and
+both show on /readyz until they clear.
 """
 
 from __future__ import annotations
@@ -25,11 +36,11 @@ from google.protobuf.json_format import MessageToDict
 from agent._proto import pubfault_pb2 as pb
 from agent._proto import pubfault_pb2_grpc as pb_grpc
 from agent.config import ClusterdConfig
-from agent.faults.clusterd_batch import SETTLE_S, ClusterdView, plan
+from agent.faults.clusterd_batch import ClusterdView, Transition, plan, reassertion, requests, resync
 from agent.faults.hub import Change
 from agent.faults.log import FaultLog
-from agent.faults.pubfault import (MAX_FAULTS_PER_REQUEST, PublicFault, fault_problems, public_faults,
-                                   request_problems, to_message)
+from agent.faults.pubfault import PublicFault, fault_problems, public_faults, request_problems, to_message
+from agent.fsutil import WriteRetry
 from agent.kube.podresources import PodsOf, no_pods
 from agent.ratelimit import TokenBucket
 
@@ -39,6 +50,7 @@ SINK = "clusterd"
 CALL_DEADLINE_S = 5.0
 REQUESTS_PER_S, REQUEST_BURST = 1.0, 2
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 30.0
+FOLLOW_UP_S = 30.0  # ClusterD reloads its saved cache only after it serves; requests before may be undone
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),  # ClusterD answers pings more often than every 3 s with GOAWAY
     ("grpc.keepalive_timeout_ms", 5_000),
@@ -62,12 +74,22 @@ class ClusterdSink:
         self._clock = clock
         self._bucket = TokenBucket(REQUESTS_PER_S, REQUEST_BURST, time.monotonic)
         self._wakeup = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._channel: grpc.aio.Channel | None = None
         self._stub = None
         self._view = ClusterdView()  # what ClusterD holds, as far as it acknowledged
-        self.coalesced = 0  # transitions ClusterD could not have represented (see clusterd_batch)
+        self._cursor: int | None = None  # acknowledged up to here (saved, or waiting to be saved)
+        self._save_at: float | None = None  # monotonic time of the next attempt to save the cursor
+        self._reassert_at = 0.0  # monotonic
+        self._reassert_why = "start"
+        self._follow_up = False
+        self._failed_call = False  # since the last success: a request that failed may still land
+        self._crash = ""
+        self._first_run = True
+        self.writes = WriteRetry("ClusterD sink's cursor")
         self.counters: Counter[str] = Counter()  # requests by result
+        self.reconciles: Counter[str] = Counter()  # re-assertions that sent something, by reason
+        self.crashes = 0
         self.last_success = 0.0
 
     # ---- component ----------------------------------------------------------------------------
@@ -75,20 +97,26 @@ class ClusterdSink:
     async def start(self) -> None:
         self._channel = grpc.aio.insecure_channel(self._config.address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.PubFaultStub(self._channel)
-        self._task = asyncio.create_task(self._run(), name="clusterd-sink")
+        self._tasks = [asyncio.create_task(self._supervise(self._run, "delivery"), name="clusterd-sink"),
+                       asyncio.create_task(self._supervise(self._watch_channel, "connection watch"),
+                                           name="clusterd-connection")]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             try:
-                await self._task
+                await task
             except (asyncio.CancelledError, Exception):
                 pass
         if self._channel is not None:
             await self._channel.close(grace=None)
 
     def readiness(self) -> tuple[bool, str]:
-        return True, ""  # delivery lag shows in npu_agent_outbox_pending, not in readiness
+        # Delivery lag (ClusterD down) shows in npu_agent_outbox_pending; this is about the agent itself.
+        problems = [p for p in (self.writes.problem, self._crash and f"delivery failed ({self._crash}); restarting")
+                    if p]
+        return not problems, "; ".join(problems)
 
     def notify(self, changes: list[Change]) -> None:
         """The fault log has new changes (called on the loop after each durable append)."""
@@ -96,83 +124,146 @@ class ClusterdSink:
 
     @property
     def pending(self) -> int:
-        return self._log.pending(SINK)
+        if self._cursor is None:
+            return self._log.pending(SINK)
+        return self._log.revision - self._cursor
 
     @property
-    def deferred(self) -> int:
-        return len(self._view.deferred)
+    def held(self) -> int:
+        return len(self._view.held)
+
+    # ---- supervision --------------------------------------------------------------------------
+
+    async def _supervise(self, body: Callable, what: str) -> None:
+        backoff = BACKOFF_FIRST_S
+        while True:
+            try:
+                await body()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.crashes += 1
+                self._crash = f"{what}: {type(exc).__name__}: {exc}"
+                log.exception(f"clusterd sink {what} failed; restarting it", extra={"backoff_s": round(backoff, 1)})
+                await asyncio.sleep(backoff * random.uniform(0.8, 1.0))
+                backoff = min(BACKOFF_MAX_S, backoff * 2)
+
+    async def _watch_channel(self) -> None:
+        """A connection to ClusterD that drops may be ClusterD restarting: re-assert when it is back."""
+        state = self._channel.get_state()
+        while True:
+            await self._channel.wait_for_state_change(state)
+            new = self._channel.get_state()
+            if state is grpc.ChannelConnectivity.READY and new is not grpc.ChannelConnectivity.READY:
+                self._reassert_soon("connection lost")
+            state = new
+
+    def _reassert_soon(self, why: str) -> None:
+        self._reassert_at, self._reassert_why, self._follow_up = time.monotonic(), why, True
+        self._wakeup.set()
 
     # ---- delivery -----------------------------------------------------------------------------
 
-    def _desired(self, states) -> dict[str, PublicFault]:
-        wanted: dict[str, PublicFault] = {}
-        for state in states:
-            wanted.update(public_faults(self._node, state, self._config.public_codes))
-        return wanted
-
     async def _run(self) -> None:
-        cursor = self._log.cursor(SINK)
-        acked_states = self._log.state_at(cursor) or {}
-        self._view = ClusterdView(held=self._desired(acked_states.values()),
-                                  unknown_before=self._last_run_recovers())
-        log.info("clusterd sink starting", extra={"address": self._config.address, "resource": self._config.resource,
-                                                  "cursor": cursor, "pending": self._log.pending(SINK),
-                                                  "active_public_faults": len(self._view.held)})
-        await self._let_previous_requests_land()
-        # Reconcile: ClusterD may have lost what it had; occur for what is active is a harmless repeat.
-        active = list(self._view.held.values())
-        for start in range(0, len(active), MAX_FAULTS_PER_REQUEST):
-            await self._send_until_done([("occur", f) for f in active[start:start + MAX_FAULTS_PER_REQUEST]])
+        if self._cursor is None:
+            self._restore()
+        if self._first_run:
+            self._first_run = False
+            await self._let_previous_requests_land()
+        if self._cursor is None:
+            await self._resync("no usable cursor in this fault log epoch")
         while True:
             self._wakeup.clear()
-            wait = await self._deliver_once()
-            if wait == 0:
+            more = await self._deliver_once()
+            self._crash = ""  # a whole step went through
+            if time.monotonic() >= self._reassert_at:
+                await self._reassert()
+            if self._save_at is not None and time.monotonic() >= self._save_at:
+                self._save()
+            if more:
                 continue
+            waits = [self._reassert_at - time.monotonic(), *([self._save_at - time.monotonic()] if self._save_at else [])]
             try:
-                await asyncio.wait_for(self._wakeup.wait(), wait)
+                await asyncio.wait_for(self._wakeup.wait(), max(0.0, min(waits)))
             except TimeoutError:
                 pass
 
-    async def _deliver_once(self) -> float | None:
-        """Send the next batch; returns how long to wait before trying again (None: until woken)."""
-        cursor = self._log.cursor(SINK)
-        changes = self._log.changes_after(cursor)
-        if changes is None:  # cannot happen: compaction keeps what a cursor still needs
-            log.error("clusterd cursor fell behind the fault log; resynchronising", extra={"cursor": cursor})
-            latest = self._log.latest()
-            wanted = self._desired(c.state for c in latest.values())
-            batch = [("recover", f) for fid, f in self._view.held.items() if fid not in wanted]
-            batch += [("occur", f) for f in wanted.values()]
-            for start in range(0, len(batch), MAX_FAULTS_PER_REQUEST):
-                await self._send_until_done(batch[start:start + MAX_FAULTS_PER_REQUEST])
-            self._view = ClusterdView(held=wanted, recovered_at=self._view.recovered_at)
-            self._log.commit(SINK, self._log.revision)
-            return None
-        if not changes and not self._view.deferred:
-            return None
-        now = time.monotonic()
-        step = plan(self._view, cursor, changes, self._wanted, now)
-        if step.coalesced:
-            self.coalesced += step.coalesced
-            log.info("recover and re-occur of the same fault too close for ClusterD; coalesced", extra={
-                "transitions": step.coalesced, "deferred": len(step.view.deferred)})
+    def _restore(self) -> None:
+        saved = self._log.sink_state(SINK)
+        try:
+            self._view = ClusterdView.from_dict(saved) if saved is not None else ClusterdView()
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            log.error("the clusterd sink's saved view is malformed; starting without it (faults ClusterD holds "
+                      "from before may stay there)", extra={"error": str(exc)})
+            self._view = ClusterdView()
+        self._cursor = self._log.cursor(SINK)
+        log.info("clusterd sink starting", extra={
+            "address": self._config.address, "resource": self._config.resource, "cursor": self._cursor,
+            "pending": self.pending, "held": len(self._view.held), "recently_recovered": len(self._view.recovered)})
+
+    async def _deliver_once(self) -> bool:
+        """Send the next batch; True when more is pending."""
+        changes = self._log.changes_after(self._cursor)
+        if changes is None:  # cannot happen: compaction keeps what the saved cursor still needs
+            await self._resync("the cursor fell behind the fault log")
+            return False
+        if not changes:
+            return False
+        step = plan(self._view.held, self._cursor, changes, self._wanted)
         if step.transitions:
-            await self._send_until_done(step.transitions)
-            acked = time.monotonic()
-            step.view.recovered_at = {fid: at for fid, at in step.view.recovered_at.items() if acked - at < SETTLE_S}
-            step.view.recovered_at.update((f.fault_id, acked) for a, f in step.transitions if a == "recover")
-        self._view = step.view
-        if step.last_revision > cursor:
-            self._log.commit(SINK, step.last_revision)
-            if self._log.pending(SINK) > 0:
-                return 0.0  # more than one request's worth was pending
-        return step.wait
+            await self._send(step.transitions)
+        self._acknowledged(step.transitions, step.held, step.last_revision)
+        return self._log.revision > self._cursor
+
+    async def _resync(self, why: str) -> None:
+        revision = self._log.revision
+        wanted = {phy: self._wanted(change) for phy, change in self._log.latest().items()}
+        items, target = resync(self._view.held, wanted)
+        log.info("clusterd sink resynchronising ClusterD from the current state", extra={
+            "reason": why, "revision": revision, "held": len(self._view.held), "now": len(target)})
+        for chunk in requests(items):
+            await self._send(chunk)
+        if items:
+            self.reconciles["resync"] += 1
+        self._acknowledged(items, target, revision)
+
+    def _acknowledged(self, sent: list[Transition], held: dict[str, PublicFault], revision: int) -> None:
+        self._view = self._view.acknowledged(sent, held, int(self._clock() * 1000))
+        self._cursor = revision
+        self._save()
+
+    def _save(self) -> None:
+        try:
+            self._log.commit(SINK, self._cursor, self._view.to_dict())
+        except OSError as exc:
+            self._save_at = time.monotonic() + self.writes.failed(exc, revision=self._cursor)
+            return
+        self._save_at = None
+        self.writes.succeeded()
+
+    async def _reassert(self) -> None:
+        why = self._reassert_why
+        if self._follow_up:
+            self._follow_up, self._reassert_why = False, "follow-up"
+            self._reassert_at = time.monotonic() + FOLLOW_UP_S
+        else:
+            self._reassert_why = "periodic"
+            self._reassert_at = time.monotonic() + self._config.reconcile_interval_seconds * random.uniform(0.9, 1.1)
+        items = reassertion(self._view)
+        if not items:
+            return
+        log.info("re-asserting public faults to clusterd", extra={
+            "reason": why, "held": len(self._view.held), "recently_recovered": len(self._view.recovered)})
+        for chunk in requests(items):
+            await self._send(chunk)
+        self.reconciles[why] += 1
 
     async def _let_previous_requests_land(self) -> None:
         """A previous run that died in the middle of a send may have left its request in flight, and
         ClusterD applies a request whatever the client's deadline: wait until that deadline has
         passed, so the stale request cannot land after (and undo) this run's first one."""
-        if not self._log.pending(SINK):
+        if not self.pending:
             return
         last = max(self._log.previous_append_at or 0.0, self._log.previous_commit_at or 0.0)
         hold = min(CALL_DEADLINE_S + 0.5, last + CALL_DEADLINE_S + 0.5 - time.time())
@@ -181,17 +272,11 @@ class ClusterdSink:
                      extra={"seconds": round(hold, 2)})
             await asyncio.sleep(hold)
 
-    def _last_run_recovers(self) -> float:
-        """Until when (monotonic) the previous run may have sent recovers: its last commit."""
-        committed = self._log.previous_commit_at
-        if committed is None:
-            return float("-inf")
-        return time.monotonic() - max(0.0, time.time() - committed)
-
     def _wanted(self, change: Change) -> dict[str, PublicFault]:
         return public_faults(self._node, change.state, self._config.public_codes)
 
-    async def _send_until_done(self, batch: list[tuple[str, PublicFault]]) -> None:
+    async def _send(self, batch: list[Transition]) -> None:
+        """Until ClusterD answered 0 (or refused the request as invalid: a bug, logged)."""
         faults = []
         for assertion, fault in batch:
             message = to_message(self._node, assertion, fault, self._pods_of(fault.device))
@@ -219,15 +304,20 @@ class ClusterdSink:
             outcome = await self._call(request)
             if outcome == "sent":
                 self.last_success = self._clock()
+                if self._failed_call:  # what failed may land late, or ClusterD may have restarted meanwhile
+                    self._failed_call = False
+                    self._reassert_soon("after failed requests")
                 return
             if outcome == "rejected":
                 return
             attempt += 1
             backoff = random.uniform(0.5, min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** attempt))
-            if outcome == "unreachable":
-                await self._sleep_until_connected(backoff)
-            else:
-                await asyncio.sleep(backoff)
+            if outcome == "failed":
+                self._failed_call = True
+                if self._channel.get_state() is not grpc.ChannelConnectivity.READY:
+                    await self._sleep_until_connected(backoff)
+                    continue
+            await asyncio.sleep(backoff)
 
     async def _sleep_until_connected(self, seconds: float) -> None:
         """Back off, but retry as soon as the channel connects again: ClusterD is back."""
@@ -247,9 +337,7 @@ class ClusterdSink:
         except grpc.aio.AioRpcError as exc:
             self.counters["unavailable"] += 1
             self._log_transition("clusterd unreachable; retrying", code=exc.code().name, details=exc.details())
-            # A channel that is still connected (ClusterD answered with an error) would be "ready" at once.
-            connected = self._channel.get_state() is grpc.ChannelConnectivity.READY
-            return "retry" if connected else "unreachable"
+            return "failed"
         if reply.code == 0:
             self.counters["sent"] += 1
             self._log_transition("")
@@ -263,7 +351,7 @@ class ClusterdSink:
             return "rejected"
         self.counters["rate_limited" if reply.code == 410 else "error"] += 1
         self._log_transition("clusterd refused the request; retrying", code=reply.code, details=reply.info)
-        return "retry"
+        return "refused"
 
     _last_problem = ""
 
@@ -273,7 +361,7 @@ class ClusterdSink:
         if key == self._last_problem:
             return
         if message:
-            log.warning(message, extra={**fields, "pending": self._log.pending(SINK)})
+            log.warning(message, extra={**fields, "pending": self.pending})
         elif self._last_problem:
             log.info("clusterd reachable again")
         self._last_problem = key if message else ""

@@ -1,20 +1,16 @@
-"""Plans the ClusterD sink's next request: pure, so unit tests drive it with their own clock.
+"""Plans the ClusterD sink's requests: pure, so unit tests drive them with their own clock.
 
-ClusterD keeps a fault's state, not its history, and its semantics (`clusterd.md` §4.3) make one
-sequence unrepresentable: an `occur` less than 5 s after a `recover` of the same faultId. ClusterD
-ignores that occur (the fault is still there) and then deletes the fault anyway, so the fault is
-gone while the device is still broken. The planner therefore
+Every occurrence of a public fault has a faultId of its own (see `pubfault`), so to ClusterD the
+sink only ever adds a key (occur) and later removes it (recover), and never adds it again. Nothing
+has to wait for ClusterD's delayed deletion of a recovered key, and an occur of a held key or a
+recover of a removed one can be repeated at any time: ClusterD ignores the first and the second
+deletes a key nobody will use again.
 
-* defers such an occur until ClusterD has deleted the recovered fault (`SETTLE_S` after the
-  recover was acknowledged) without holding back anybody else's transitions;
-* coalesces a recover that has not been sent yet with the occur of the same faultId that follows
-  it (both are dropped; ClusterD keeps the fault it holds), and a deferred occur with the recover
-  that follows it when ClusterD acknowledged the recover before (both are dropped; ClusterD does
-  not hold the fault). Both pairs are counted. Everything else is delivered in log order.
-
-After a restart the sink cannot know whether the previous run's last request reached ClusterD, so
-every occur waits until `SETTLE_S` after the previous run's last commit, and a recover that cancels
-such an occur is still sent.
+The view is what ClusterD holds as far as it acknowledged (`held`) and the keys recovered lately
+(`recovered`). Those are the keys a ClusterD restart can bring back: it saves its cache about a
+second late and loses its queue of pending deletions, so a key recovered just before the restart
+comes back as held. Re-asserting the view (occur for every held key, recover for every recent one)
+is how the sink converges with a ClusterD that may have lost or resurrected faults.
 """
 
 from __future__ import annotations
@@ -25,31 +21,43 @@ from typing import Callable, Iterable
 from agent.faults.hub import Change
 from agent.faults.pubfault import MAX_FAULTS_PER_REQUEST, PublicFault
 
-SETTLE_S = 5.5  # ClusterD deletes a recovered fault up to 5 s after the recover; margin for the ack's delay
+RECOVERED_KEEP_S = 600  # far beyond ClusterD's ~1 s save lag and its deletions' ≤ 6 s delay
+RECOVERED_MAX = MAX_FAULTS_PER_REQUEST  # a flapping device cannot make re-assertion cost more than a request
 
 Transition = tuple[str, PublicFault]  # ("occur" | "recover", fault)
 
 
 @dataclass
 class ClusterdView:
-    """What the sink knows of ClusterD's cache, from acknowledged requests."""
-    held: dict[str, PublicFault] = field(default_factory=dict)  # held by ClusterD, or owed as a deferred occur
-    deferred: dict[str, PublicFault] = field(default_factory=dict)  # occurs waiting for a recover to settle
-    recovered_at: dict[str, float] = field(default_factory=dict)  # when ClusterD acknowledged each recover
-    unknown_before: float = float("-inf")  # recovers of any other faultId may have been sent until then
+    held: dict[str, PublicFault] = field(default_factory=dict)  # faultId -> fault
+    recovered: dict[str, tuple[PublicFault, int]] = field(default_factory=dict)  # faultId -> (fault, acked at ms)
+
+    def acknowledged(self, sent: list[Transition], held: dict[str, PublicFault], now_ms: int) -> "ClusterdView":
+        """The view once ClusterD answered 0 to `sent`, which left it holding `held`."""
+        recovered = dict(self.recovered)
+        recovered.update((f.fault_id, (f, now_ms)) for a, f in sent if a == "recover" and f.fault_id not in held)
+        recent = sorted(((fid, item) for fid, item in recovered.items()
+                         if now_ms - item[1] < RECOVERED_KEEP_S * 1000 and fid not in held),
+                        key=lambda pair: pair[1][1])[-RECOVERED_MAX:]
+        return ClusterdView(dict(held), dict(recent))
+
+    def to_dict(self) -> dict:
+        return {"held": [f.to_dict() for f in self.held.values()],
+                "recovered": [[f.to_dict(), at] for f, at in self.recovered.values()]}
+
+    @classmethod
+    def from_dict(cls, item: dict) -> "ClusterdView":
+        """KeyError/TypeError/ValueError on a malformed state."""
+        held = [PublicFault.from_dict(f) for f in item["held"]]
+        recovered = [(PublicFault.from_dict(f), int(at)) for f, at in item["recovered"]]
+        return cls({f.fault_id: f for f in held}, {f.fault_id: (f, at) for f, at in recovered})
 
 
 @dataclass
 class Plan:
     transitions: list[Transition]  # the request's faults, in order
     last_revision: int  # the cursor once ClusterD acknowledged them
-    view: ClusterdView  # the view once ClusterD acknowledged them (recovered_at updated by the sink)
-    coalesced: int  # transitions dropped in pairs
-    wait: float | None  # seconds until the first deferred occur is due; None when nothing is deferred
-
-
-def _recovered(view: ClusterdView, fault_id: str) -> float:
-    return view.recovered_at.get(fault_id, view.unknown_before)
+    held: dict[str, PublicFault]  # what ClusterD holds then
 
 
 def transitions(held: dict[str, PublicFault], device: int, wanted: dict[str, PublicFault]) -> list[Transition]:
@@ -59,45 +67,42 @@ def transitions(held: dict[str, PublicFault], device: int, wanted: dict[str, Pub
             + [("occur", f) for fid, f in wanted.items() if fid not in had])
 
 
-def plan(view: ClusterdView, cursor: int, changes: Iterable[Change],
-         wanted_of: Callable[[Change], dict[str, PublicFault]], now: float) -> Plan:
-    """The next request after `cursor`: at most 100 transitions, whole changes only."""
-    held, deferred = dict(view.held), dict(view.deferred)
-    slots: list[Transition | None] = []
-    unsent_recovers: dict[str, tuple[int, PublicFault]] = {}  # faultId -> (slot, the fault ClusterD holds)
-    coalesced = 0
-    for fault_id, fault in list(deferred.items()):  # due deferred occurs are older than anything pending
-        if now - _recovered(view, fault_id) >= SETTLE_S and len(slots) < MAX_FAULTS_PER_REQUEST:
-            slots.append(("occur", fault))
-            del deferred[fault_id]
+def plan(held: dict[str, PublicFault], cursor: int, changes: Iterable[Change],
+         wanted_of: Callable[[Change], dict[str, PublicFault]]) -> Plan:
+    """The next request after `cursor`: at most 100 transitions, whole changes only, in log order."""
+    held = dict(held)
+    sent: list[Transition] = []
     last = cursor
     for change in changes:
         items = transitions(held, change.state.phy_id, wanted_of(change))
-        if sum(s is not None for s in slots) + len(items) > MAX_FAULTS_PER_REQUEST:
+        if sent and len(sent) + len(items) > MAX_FAULTS_PER_REQUEST:
             break
         for assertion, fault in items:
-            fid = fault.fault_id
             if assertion == "recover":
-                previous = held.pop(fid)
-                if deferred.pop(fid, None) is not None and fid in view.recovered_at:
-                    coalesced += 2  # ClusterD acknowledged the recover before the occur that never went out
-                    continue
-                # (deferred only for a previous run's recovers: ClusterD may hold the fault, so recover it)
-                unsent_recovers[fid] = (len(slots), previous)
-                slots.append(("recover", fault))
-            elif fid in unsent_recovers:
-                slot, previous = unsent_recovers.pop(fid)
-                slots[slot] = None
-                held[fid] = previous  # ClusterD keeps the fault (and the start time) it has
-                coalesced += 2
+                del held[fault.fault_id]
             else:
-                held[fid] = fault
-                if now - _recovered(view, fid) < SETTLE_S:
-                    deferred[fid] = fault
-                else:
-                    slots.append(("occur", fault))
+                held[fault.fault_id] = fault
+        sent += items
         last = change.revision
-    due = [_recovered(view, fid) + SETTLE_S - now for fid in deferred]
-    return Plan(transitions=[s for s in slots if s is not None], last_revision=last,
-                view=ClusterdView(held, deferred, dict(view.recovered_at), view.unknown_before),
-                coalesced=coalesced, wait=max(0.0, min(due)) if due else None)
+    return Plan(sent, last, held)
+
+
+def resync(held: dict[str, PublicFault],
+           wanted: dict[int, dict[str, PublicFault]]) -> tuple[list[Transition], dict[str, PublicFault]]:
+    """From `held` to the devices' current public faults without any history: recover what is no
+    longer wanted, occur everything that is (repeats are harmless). A held fault of a device the
+    log does not know yet is kept until the device is seen."""
+    target = {fid: f for fid, f in held.items() if f.device not in wanted}
+    for faults in wanted.values():
+        target.update(faults)
+    return ([("recover", f) for fid, f in held.items() if fid not in target]
+            + [("occur", f) for f in target.values()]), target
+
+
+def reassertion(view: ClusterdView) -> list[Transition]:
+    """Everything ClusterD should hold, and every recent key it should not."""
+    return [("occur", f) for f in view.held.values()] + [("recover", f) for f, _ in view.recovered.values()]
+
+
+def requests(items: list[Transition]) -> list[list[Transition]]:
+    return [items[i:i + MAX_FAULTS_PER_REQUEST] for i in range(0, len(items), MAX_FAULTS_PER_REQUEST)]

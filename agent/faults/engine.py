@@ -56,6 +56,9 @@ class DeviceState:
     level: Level = Level.NormalNPU
     since_ms: int = 0  # start of the oldest listed code; 0 when there is none
     codes: tuple[ActiveCode, ...] = ()
+    # When the device entered `level`: strictly increasing per device, so it names one occurrence
+    # of a level (a public fault's id is made from it) and never repeats, even within a millisecond.
+    level_since_ms: int = 0
 
     @property
     def faulty(self) -> bool:
@@ -104,6 +107,8 @@ class _Device:
     escalations: dict[int, _Escalation] = field(default_factory=dict)  # code -> frequency escalation
     deadline_ms: int | None = None  # the next time something changes by time alone
     observed: bool = False  # published only once the driver (or the last known state) said something
+    level: Level = Level.NormalNPU  # as last rendered
+    level_since_ms: int = 0
 
 
 class FaultEngine:
@@ -128,13 +133,16 @@ class FaultEngine:
             device.logic_id = logic_id
         return self._finish(now_ms, [device])
 
-    def seed(self, phy_id: int, codes: list[tuple[int, int]], health: Health, now_ms: int) -> list[DeviceState]:
+    def seed(self, phy_id: int, codes: list[tuple[int, int]], health: Health, now_ms: int,
+             level: Level = Level.NormalNPU, level_since_ms: int = 0) -> list[DeviceState]:
         """Start from the last known state (after a restart): these (code, since_ms) are taken as
         active until a reading says otherwise, so a driver that does not answer yet recovers nothing
-        and a code still present keeps its original start."""
+        and a code still present keeps its original start. The last level and its start carry on,
+        so an occurrence that continues keeps its identity."""
         device = self._devices.get(phy_id)
         if device is None:
             return []
+        device.level, device.level_since_ms = level, max(device.level_since_ms, level_since_ms)
         for code, since_ms in codes:
             track = device.tracks.setdefault(code, _Track(since_ms=since_ms))
             track.since_ms = min(track.since_ms, since_ms)
@@ -374,13 +382,13 @@ class FaultEngine:
             device.deadline_ms = self._deadline(device)
             if not device.observed:
                 continue  # nothing is known of it yet: saying "healthy" would be a guess
-            state = self._render(device)
+            state = self._render(device, now_ms)
             if self._published.get(device.phy_id) != state:
                 self._published[device.phy_id] = state
                 changed.append(state)
         return changed
 
-    def _render(self, device: _Device) -> DeviceState:
+    def _render(self, device: _Device, now_ms: int) -> DeviceState:
         codes = []
         for code in sorted(set(device.tracks) | set(device.escalations)):
             track = device.tracks.get(code)
@@ -397,7 +405,10 @@ class FaultEngine:
             codes.append(ActiveCode(code, self.table.spell(code), level, since, self._severity.get(code), escalated_by))
         level = max((c.level for c in codes), default=Level.NormalNPU)
         since = min((c.since_ms for c in codes), default=0)
-        return DeviceState(device.phy_id, device.logic_id, device.health, level, since, tuple(codes))
+        if level != device.level:
+            device.level, device.level_since_ms = level, max(now_ms, device.level_since_ms + 1)
+        return DeviceState(device.phy_id, device.logic_id, device.health, level, since, tuple(codes),
+                           device.level_since_ms)
 
     def _base_level(self, code: int) -> Level:
         level = self.table.lookup(code)

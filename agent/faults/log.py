@@ -2,10 +2,16 @@
 
 `<state_dir>/faultlog/log` holds one record per line, `<crc32 hex> <json>`: an optional base record
 (the state of every device at some revision, written by compaction) and then one record per change.
-A torn or corrupt tail (a crash in the middle of a write) is cut off at open and logged; it never
-stops the agent. Each sink keeps a cursor in `cursors.json` that it advances only after its peer
-acknowledged; compaction folds only what every sink has passed (and what the stream no longer needs
-for resuming) into the base record.
+A torn tail (a crash in the middle of a write, never handed to anyone) is cut off at open.
+
+Revisions are comparable only within one epoch (`meta.json`). A log that lost records somebody may
+have seen (deleted, cut short, a corrupt record in it, or behind what `cursors.json` says it held)
+starts a new epoch: stream clients then take a snapshot and a sink whose cursor is from another
+epoch resynchronises its peer from the current state instead of trusting revisions.
+
+Each sink keeps a cursor, and a small state of its own, in `cursors.json`, advanced only after its
+peer acknowledged; compaction folds only what every sink has passed (and what the stream no longer
+needs for resuming) into the base record. A write that fails raises OSError and changes nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 import secrets
 import zlib
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 from agent.faults.engine import ActiveCode, DeviceState, Health
@@ -28,7 +35,7 @@ log = logging.getLogger(__name__)
 
 def state_to_dict(state: DeviceState) -> dict:
     return {"phy": state.phy_id, "logic": state.logic_id, "health": int(state.health), "level": state.level.name,
-            "since": state.since_ms,
+            "since": state.since_ms, "level_since": state.level_since_ms,
             "codes": [[c.code, c.text, c.level.name, c.since_ms, c.severity, c.escalated_by] for c in state.codes]}
 
 
@@ -36,7 +43,7 @@ def state_from_dict(item: dict) -> DeviceState:
     codes = tuple(ActiveCode(int(code), text, Level[level], int(since), severity, escalated_by)
                   for code, text, level, since, severity, escalated_by in item["codes"])
     return DeviceState(int(item["phy"]), int(item["logic"]), Health(int(item["health"])), Level[item["level"]],
-                       int(item["since"]), codes)
+                       int(item["since"]), codes, int(item.get("level_since", 0)))
 
 
 def _line(record: dict) -> bytes:
@@ -53,11 +60,22 @@ def _parse(line: bytes) -> dict:
     return json.loads(body)
 
 
+def _int(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def _mtime(path: Path) -> float | None:
     try:
         return path.stat().st_mtime
     except OSError:
         return None
+
+
+@dataclass
+class SinkEntry:
+    revision: int  # everything up to here is acknowledged by the sink's peer
+    epoch: str  # the log epoch `revision` belongs to
+    state: dict | None = None  # the sink's own record of its peer, saved with the cursor
 
 
 class FaultLog:
@@ -72,9 +90,10 @@ class FaultLog:
         self._base: dict[int, DeviceState] = {}  # state of every device at _base_revision
         self._records: deque[Change] = deque()  # every change after _base_revision
         self._latest: dict[int, Change] = {}
-        self._cursors: dict[str, int] = {}
-        self._file = None
+        self._sinks: dict[str, SinkEntry] = {}
+        self._size = 0  # bytes of whole records in the file: a failed append is cut back to it
         self.truncated_bytes = 0
+        self.resets: list[str] = []  # why this open started a new epoch (empty: it did not)
         self.previous_commit_at: float | None = None  # wall-clock time of the last commit before open()
         self.previous_append_at: float | None = None  # wall-clock time of the last append before open()
 
@@ -82,28 +101,66 @@ class FaultLog:
 
     def open(self) -> None:
         self._dir.mkdir(parents=True, exist_ok=True)
-        meta = self._read_json(self._dir / "meta.json")
-        self.epoch = meta.get("epoch") or secrets.token_hex(8)
-        if meta.get("epoch") != self.epoch:
-            atomic_write(self._dir / "meta.json", json.dumps({"epoch": self.epoch}).encode())
-        self._cursors = {k: int(v) for k, v in self._read_json(self._dir / "cursors.json").items()}
+        epoch = self._read_json(self._dir / "meta.json").get("epoch")
+        saved = self._read_json(self._dir / "cursors.json")
+        self._sinks = self._read_sinks(saved, epoch)
         self.previous_commit_at = _mtime(self._dir / "cursors.json")
         self.previous_append_at = _mtime(self._path)
-        self._load()
-        self._file = open(self._path, "ab")
+        existed = self._path.exists()
+        corrupt = self._load()
+        self.epoch = epoch if isinstance(epoch, str) and epoch else ""
+        reasons = []
+        if self.epoch:
+            held = max([_int(saved.get("revision")), *(e.revision for e in self._sinks.values() if e.epoch == epoch)])
+            if not existed and held:
+                reasons.append("the log file is missing")
+            elif self.revision < held:
+                reasons.append(f"the log ends at revision {self.revision}, {held} was written before")
+            if corrupt:
+                reasons.append(f"a corrupt record at revision {self.revision + 1}")
+            if saved.get("epoch") not in (None, epoch):
+                reasons.append("cursors.json belongs to another epoch")
+        if reasons or not self.epoch:
+            self.epoch = secrets.token_hex(8)
+            atomic_write(self._dir / "meta.json", json.dumps({"epoch": self.epoch}).encode())
+            if reasons:
+                self.resets = reasons
+                log.warning("fault log lost records it had; starting a new epoch (sinks resynchronise from the "
+                            "current state, stream clients get a snapshot)",
+                            extra={"path": str(self._path), "reasons": reasons, "revision": self.revision})
+            self._save_cursors()
 
     def _read_json(self, path: Path) -> dict:
         try:
             value = json.loads(path.read_text("utf-8"))
-            return value if isinstance(value, dict) else {}
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as exc:
-            log.error("fault log metadata unreadable; starting it afresh", extra={"path": str(path), "error": str(exc)})
+            log.error("fault log metadata unreadable; ignored", extra={"path": str(path), "error": str(exc)})
             return {}
+        if not isinstance(value, dict):
+            log.error("fault log metadata is not a JSON object; ignored", extra={"path": str(path)})
+            return {}
+        return value
 
-    def _load(self) -> None:
+    def _read_sinks(self, saved: dict, epoch) -> dict[str, SinkEntry]:
+        if "sinks" not in saved:  # the first format: {sink: revision} in the log's epoch
+            saved = {"sinks": {k: {"revision": v, "epoch": epoch} for k, v in saved.items()}}
+        sinks = {}
+        for name, item in (saved.get("sinks") or {}).items():
+            try:
+                state = item.get("state")
+                sinks[name] = SinkEntry(int(item["revision"]), str(item["epoch"]),
+                                        state if isinstance(state, dict) else None)
+            except (AttributeError, KeyError, TypeError, ValueError):
+                log.error("a sink's cursor is malformed; that sink resynchronises its peer",
+                          extra={"path": str(self._dir / "cursors.json"), "sink": name})
+        return sinks
+
+    def _load(self) -> bool:
+        """Read the file; True when a corrupt record (not just an unfinished last one) was cut off."""
         good = 0
+        corrupt = False
         try:
             with open(self._path, "rb") as handle:
                 for line in handle:
@@ -113,17 +170,20 @@ class FaultLog:
                     except (ValueError, KeyError, TypeError) as exc:
                         size = self._path.stat().st_size
                         self.truncated_bytes = size - good
+                        corrupt = line.endswith(b"\n")  # an unfinished write never reached anyone
                         log.warning("fault log has a torn or corrupt tail; cut off", extra={
                             "path": str(self._path), "offset": good, "bytes_dropped": self.truncated_bytes,
                             "reason": str(exc), "revision": self.revision})
                         break
                     good += len(line)
         except FileNotFoundError:
-            return
+            return False
         if self.truncated_bytes:
             with open(self._path, "r+b") as handle:
                 handle.truncate(good)
                 os.fsync(handle.fileno())
+        self._size = good
+        return corrupt
 
     def _apply(self, record: dict) -> None:
         if record.get("base"):
@@ -144,30 +204,49 @@ class FaultLog:
     # ---- writing ------------------------------------------------------------------------------
 
     def append(self, states: list[DeviceState]) -> list[Change]:
-        """Write the changes and sync them to disk; only then are they handed to anyone."""
-        changes = []
-        lines = []
-        for state in states:
-            self.revision += 1
-            change = Change(self.revision, state)
-            changes.append(change)
-            lines.append(_line({"rev": change.revision, "state": state_to_dict(state)}))
-        if not changes:
+        """Write the changes and sync them to disk; only then are they handed to anyone.
+
+        OSError (disk full, read-only, EIO) leaves the log as it was: the file is cut back to its
+        last whole record and no revision is used up, so the caller can simply try again."""
+        if not states:
             return []
-        self._file.write(b"".join(lines))
-        self._file.flush()
-        if self._fsync:
-            os.fsync(self._file.fileno())
+        changes = [Change(self.revision + i, state) for i, state in enumerate(states, 1)]
+        data = b"".join(_line({"rev": c.revision, "state": state_to_dict(c.state)}) for c in changes)
+        try:
+            # Opened for each append (they are rare): nothing holds the file between writes, so a file
+            # replaced or removed meanwhile is noticed at the next open, and the disk can be remounted.
+            with open(self._path, "ab") as handle:
+                handle.write(data)
+                handle.flush()
+                if self._fsync:
+                    os.fsync(handle.fileno())
+        except OSError:
+            self._cut_back()
+            raise
+        self._size += len(data)
+        self.revision = changes[-1].revision
         for change in changes:
             self._records.append(change)
             self._latest[change.state.phy_id] = change
         self._maybe_compact()
         return changes
 
+    def _cut_back(self) -> None:
+        """Drop whatever part of a failed append reached the file (a later append must not follow half a line)."""
+        try:
+            if self._path.stat().st_size > self._size:
+                os.truncate(self._path, self._size)
+        except OSError as exc:  # the next open cuts the torn tail instead
+            log.warning("cannot cut a failed append off the fault log", extra={"error": str(exc)})
+
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """At shutdown: note the last revision, so a log cut short before the next start is noticed."""
+        if not self.epoch:
+            return
+        try:
+            self._save_cursors()
+        except OSError as exc:
+            log.warning("cannot note the fault log's last revision at shutdown", extra={"error": str(exc)})
 
     # ---- reading ------------------------------------------------------------------------------
 
@@ -193,33 +272,56 @@ class FaultLog:
 
     # ---- sink cursors -------------------------------------------------------------------------
 
-    def cursor(self, sink: str) -> int:
-        """Where `sink` stands; a new sink starts at the oldest revision the log still has."""
-        if sink not in self._cursors:
-            self._cursors[sink] = self._base_revision
-            self._save_cursors()
-        return self._cursors[sink]
+    def cursor(self, sink: str) -> int | None:
+        """Where `sink` stands in this epoch; None when it has no usable position (new, from another
+        epoch, or behind what compaction kept): it must resynchronise its peer from `latest()`."""
+        entry = self._sinks.get(sink)
+        if entry is None or entry.epoch != self.epoch or not self._base_revision <= entry.revision <= self.revision:
+            return None
+        return entry.revision
 
-    def commit(self, sink: str, revision: int) -> None:
-        """`sink`'s peer acknowledged everything up to `revision`."""
-        self._cursors[sink] = revision
-        self._save_cursors()
+    def sink_state(self, sink: str) -> dict | None:
+        """What `sink` saved with its last commit, in whatever epoch."""
+        entry = self._sinks.get(sink)
+        return entry.state if entry is not None else None
+
+    def commit(self, sink: str, revision: int, state: dict | None = None) -> None:
+        """`sink`'s peer acknowledged everything up to `revision` (OSError: not saved, try again)."""
+        previous = self._sinks.get(sink)
+        self._sinks[sink] = SinkEntry(revision, self.epoch, state)
+        try:
+            self._save_cursors()
+        except OSError:
+            if previous is None:
+                del self._sinks[sink]
+            else:
+                self._sinks[sink] = previous
+            raise
         self._maybe_compact()
 
     def pending(self, sink: str) -> int:
-        return self.revision - self._cursors.get(sink, self._base_revision)
+        """Changes the sink's peer has not acknowledged (all of them when it must resynchronise)."""
+        cursor = self.cursor(sink)
+        return self.revision - (self._base_revision if cursor is None else cursor)
 
     def _save_cursors(self) -> None:
-        atomic_write(self._dir / "cursors.json", json.dumps(self._cursors, sort_keys=True).encode())
+        data = {"epoch": self.epoch, "revision": self.revision,
+                "sinks": {name: {"revision": e.revision, "epoch": e.epoch, **({"state": e.state} if e.state else {})}
+                          for name, e in sorted(self._sinks.items())}}
+        atomic_write(self._dir / "cursors.json", json.dumps(data, sort_keys=True).encode())
 
     # ---- compaction ---------------------------------------------------------------------------
 
     def _maybe_compact(self) -> None:
-        boundary = min([self.revision - self._keep_recent, *self._cursors.values()])
+        cursors = [c for c in map(self.cursor, self._sinks) if c is not None]
+        boundary = min([self.revision - self._keep_recent, *cursors])
         dead = boundary - self._base_revision
         if dead < 1024 or dead * 2 < len(self._records):
             return
-        self.compact(boundary)
+        try:
+            self.compact(boundary)
+        except OSError as exc:  # the log stays as it is, only longer; the next append tries again
+            log.warning("fault log compaction failed", extra={"error": str(exc), "records": len(self._records)})
 
     def compact(self, boundary: int) -> None:
         """Fold every change up to `boundary` into the base record and rewrite the file."""
@@ -229,9 +331,9 @@ class FaultLog:
         kept = [c for c in self._records if c.revision > boundary]
         lines = [_line({"base": True, "rev": boundary, "devices": [state_to_dict(s) for s in base.values()]})]
         lines += [_line({"rev": c.revision, "state": state_to_dict(c.state)}) for c in kept]
-        self.close()
-        atomic_write(self._path, b"".join(lines))
-        self._file = open(self._path, "ab")
+        data = b"".join(lines)
+        atomic_write(self._path, data)
+        self._size = len(data)
         self._base, self._base_revision = base, boundary
         self._records = deque(kept)
         log.info("fault log compacted", extra={"base_revision": boundary, "records": len(kept)})

@@ -1,8 +1,11 @@
 """Public faults for ClusterD: which ones a device state means, and ClusterD's validation rules.
 
 Pure functions. A device whose worst level has a public code (`clusterd.public_codes`) is one
-public fault; its `faultId` is stable per (node, device, public code), so the recover matches the
-occur, and its `faultTime` is the fault's start, repeated in the recover.
+public fault. Its `faultId` names one occurrence: (node, device, public code, when the device entered
+the level), so the recover matches its own occur and a later occurrence is a different key. ClusterD
+deletes a recovered key some seconds later by key alone, from one queue shared by every sender; an
+occurrence with a key of its own can never be caught by that deletion, whatever the queue's timing.
+Its `faultTime` is the fault's start, repeated in the recover.
 """
 
 from __future__ import annotations
@@ -31,9 +34,22 @@ class PublicFault:
     level: str
     codes: str  # the device's own codes, for people reading ClusterD's view
 
+    def to_dict(self) -> dict:
+        return {"id": self.fault_id, "code": self.code, "time_ms": self.time_ms, "device": self.device,
+                "level": self.level, "codes": self.codes}
 
-def fault_id(node: str, device: int, public_code: str) -> str:
-    return hashlib.sha256(f"{node}/npu/{device}/{public_code}".encode()).hexdigest()
+    @classmethod
+    def from_dict(cls, item: dict) -> "PublicFault":
+        """KeyError/TypeError/ValueError on a malformed item."""
+        fault = cls(str(item["id"]), str(item["code"]), int(item["time_ms"]), int(item["device"]),
+                    str(item["level"]), str(item["codes"]))
+        if not _ID.match(fault.fault_id):
+            raise ValueError(f"faultId {fault.fault_id!r}")
+        return fault
+
+
+def fault_id(node: str, device: int, public_code: str, level_since_ms: int) -> str:
+    return hashlib.sha256(f"{node}/npu/{device}/{public_code}/{level_since_ms}".encode()).hexdigest()
 
 
 def public_faults(node: str, state: DeviceState, public_codes: dict[str, str]) -> dict[str, PublicFault]:
@@ -41,7 +57,10 @@ def public_faults(node: str, state: DeviceState, public_codes: dict[str, str]) -
     if not code:
         return {}
     codes = ",".join(c.text for c in state.codes)
-    fault = PublicFault(fault_id(node, state.phy_id, code), code, state.since_ms, state.phy_id, state.level.name, codes)
+    # (a start ClusterD would refuse cannot come from the engine; older logs may hold one)
+    since = state.since_ms if state.since_ms >= MIN_TIME_MS else max(state.level_since_ms, MIN_TIME_MS)
+    fault = PublicFault(fault_id(node, state.phy_id, code, state.level_since_ms), code, since, state.phy_id,
+                        state.level.name, codes)
     return {fault.fault_id: fault}
 
 

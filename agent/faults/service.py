@@ -2,6 +2,10 @@
 
 It owns the engine's surroundings: the rule tables and their reload on change, the escalation
 history in `state_dir`, and the timer that lets time-based rules fire without new input.
+
+Changes reach the hub and the sinks only once they are in the durable fault log. While the log
+cannot be written (disk full, read-only), the latest state of each changed device waits here and
+the write is retried with backoff; /readyz says so, and nothing is published out of order.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from agent.faults.engine import Assertion, DeviceState, EngineSettings, FaultEng
 from agent.faults.hub import Change, FaultHub
 from agent.faults.log import FaultLog
 from agent.faults.levels import Level
-from agent.fsutil import atomic_write, file_identity
+from agent.fsutil import WriteRetry, atomic_write, file_identity
+from agent.faults.pubfault import MIN_TIME_MS
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +81,12 @@ class FaultService:
         self._timer: asyncio.TimerHandle | None = None
         self._reload_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._started_ms = self._now_ms()
+        self.clamped_times = 0  # driver fault times older than this process, replaced by when it saw them
+        self._clamped_logged: set[tuple[int, int]] = set()
+        self._unwritten: dict[int, DeviceState] = {}  # changes waiting for the fault log to be writable
+        self._retry: asyncio.TimerHandle | None = None
+        self.writes = [WriteRetry("fault log"), WriteRetry("escalation history")]
 
     # ---- component --------------------------------------------------------------------------
 
@@ -86,14 +97,16 @@ class FaultService:
     async def stop(self) -> None:
         if self._reload_task is not None:
             self._reload_task.cancel()
-        if self._timer is not None:
-            self._timer.cancel()
+        for timer in (self._timer, self._retry):
+            if timer is not None:
+                timer.cancel()
         self._save_history()
 
     def readiness(self) -> tuple[bool, str]:
-        if self._table_error:
-            return False, f"fault rule files invalid: {self._table_error}"
-        return True, ""
+        problems = [f"fault rule files invalid: {self._table_error}" if self._table_error else "",
+                    *(w.problem for w in self.writes)]
+        problems = [p for p in problems if p]
+        return not problems, "; ".join(problems)
 
     # ---- FaultObserver ------------------------------------------------------------------------
 
@@ -110,8 +123,10 @@ class FaultService:
             for device in devices:
                 last = last_known.get(device.phy_id)
                 if last is not None:
-                    raw = [(c.code, c.since_ms) for c in last.state.codes if not c.escalated_by]
-                    changes += self.engine.seed(device.phy_id, raw, last.state.health, now)
+                    raw = [(c.code, self._fault_time(device.phy_id, c.code, c.since_ms, now, MIN_TIME_MS))
+                           for c in last.state.codes if not c.escalated_by]
+                    changes += self.engine.seed(device.phy_id, raw, last.state.health, now,
+                                                last.state.level, last.state.level_since_ms)
             changes += self.engine.import_history(self._read_history(), now)
         self._publish(changes)
 
@@ -120,9 +135,13 @@ class FaultService:
             log.warning("fault event with an unknown assertion skipped",
                         extra={"device": device.phy_id, "code": f"{event.code:08X}", "assertion": event.assertion})
             return
-        raised_ms = event.raised_s * 1000 if event.raised_s else None
+        now = self._now_ms()
+        # The driver's clock, in whole seconds: a time before this process started cannot be checked
+        # against anything this process saw (a stale or broken clock reports 1970 or last year).
+        raised_ms = (self._fault_time(device.phy_id, event.code, event.raised_s * 1000, now, self._started_ms - 1000)
+                     if event.raised_s else None)
         self._publish(self.engine.on_event(device.phy_id, event.code, Assertion(event.assertion), event.severity,
-                                           raised_ms, self._now_ms()))
+                                           raised_ms, now))
 
     def on_reading(self, device: DeviceInfo, reading: Reading, started_ms: int) -> None:
         self._publish(self.engine.on_reading(device.phy_id, reading.codes, reading.health, self._now_ms(),
@@ -133,6 +152,18 @@ class FaultService:
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
 
+    def _fault_time(self, phy_id: int, code: int, time_ms: int, now_ms: int, oldest_ms: int) -> int:
+        """A fault time before `oldest_ms` (or before 2025, which ClusterD refuses) is not believable:
+        the fault starts when this process first saw it."""
+        if time_ms >= max(oldest_ms, MIN_TIME_MS):
+            return time_ms
+        self.clamped_times += 1
+        if (phy_id, code) not in self._clamped_logged:
+            self._clamped_logged.add((phy_id, code))
+            log.warning("fault time too old to be true; using when the agent first saw the fault", extra={
+                "device": phy_id, "code": f"{code:08X}", "fault_time_ms": time_ms, "now_ms": now_ms})
+        return now_ms
+
     def _publish(self, changes: list[DeviceState]) -> None:
         for state in changes:
             previous = self._hub.latest(state.phy_id)
@@ -141,21 +172,38 @@ class FaultService:
                 "device": state.phy_id, "logic_id": state.logic_id, "fault_level": state.level.name,
                 "health": int(state.health), "codes": [f"{c.text}:{c.level.name}" + (f"({c.escalated_by})" if c.escalated_by else "")
                                                        for c in state.codes]})
-        latest = {phy: change.state for phy, change in self._log.latest().items()}
-        fresh = [state for state in {s.phy_id: s for s in changes}.values() if latest.get(state.phy_id) != state]
-        if fresh:
-            try:
-                appended = self._log.append(fresh)
-            except OSError as exc:
-                # Nothing is lost yet: the engine still holds the state, the next change retries.
-                log.error("cannot write the fault log", extra={"error": str(exc)})
-                appended = []
-            self._hub.publish(appended)
-            for listener in self.listeners:
-                listener(appended)
+        self._unwritten.update((state.phy_id, state) for state in changes)
+        self._append()
         if self.engine.history_dirty:
             self._save_history()
         self._arm_timer()
+
+    def _retry_append(self) -> None:
+        self._retry = None
+        self._append()
+
+    def _append(self) -> None:
+        """Write what changed to the fault log, then hand it on; on failure keep it and retry."""
+        latest = {phy: change.state for phy, change in self._log.latest().items()}
+        fresh = [state for state in self._unwritten.values() if latest.get(state.phy_id) != state]
+        if not fresh:
+            self._unwritten.clear()
+            return
+        try:
+            appended = self._log.append(fresh)
+        except OSError as exc:
+            delay = self.writes[0].failed(exc, devices=sorted(self._unwritten))
+            if self._loop is not None and self._retry is None:
+                self._retry = self._loop.call_later(delay, self._retry_append)
+            return
+        self.writes[0].succeeded()
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        self._unwritten.clear()
+        self._hub.publish(appended)
+        for listener in self.listeners:
+            listener(appended)
 
     def _arm_timer(self) -> None:
         if self._loop is None:
@@ -192,8 +240,10 @@ class FaultService:
             data = json.dumps(self.engine.export_history(), sort_keys=True).encode()
             atomic_write(self._history_path, data)
         except OSError as exc:
-            self.engine.history_dirty = True  # try again with the next change
-            log.error("cannot save the escalation history", extra={"path": str(self._history_path), "error": str(exc)})
+            self.engine.history_dirty = True  # tried again with the next change (the engine holds it meanwhile)
+            self.writes[1].failed(exc, path=str(self._history_path))
+            return
+        self.writes[1].succeeded()
 
     def _identities(self) -> tuple:
         return tuple(file_identity(p) if p else None

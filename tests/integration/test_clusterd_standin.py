@@ -10,10 +10,11 @@ import pytest
 
 from agent._proto import pubfault_pb2 as pb
 from agent._proto import pubfault_pb2_grpc as pb_grpc
-from tests.fakes.clusterd import DEFAULT_CONFIG, ClusterdStandIn
+from tests.fakes.clusterd import DEFAULT_CONFIG, ClusterdStandIn, OtherSender
 
 T0 = 1_760_000_000.0  # fake-clock start, seconds
 NOW_MS = 1_760_000_000_000
+KEY = ("node-a", "npu-node-agent", "fault-0001")
 # Short reconnect backoff, so a call after the stand-in comes back doesn't wait ~1 s.
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
                    ("grpc.max_reconnect_backoff_ms", 100)]
@@ -28,6 +29,10 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+    def at(self, offset: float) -> None:
+        """Set the time to T0 + offset (no accumulated rounding, unlike repeated advance())."""
+        self.now = T0 + offset
 
 
 def fault(fault_id="fault-0001", assertion="occur", code="020011001", **overrides) -> pb.Fault:
@@ -158,30 +163,52 @@ def test_bucket_exhausted_also_by_invalid_requests(clock):
 
 def test_occur_recover_after_defer_deletes_now(clusterd, client, clock):
     client.send(request(fault()))
-    clock.advance(6)
+    clock.at(6)
     assert client.send(request(fault(assertion="recover"))).code == 0
-    assert clusterd.active() == {}
+    assert clusterd.active() == {} and clusterd.queue() == []
     assert clusterd.assertions("fault-0001") == ["occur", "recover"]
 
 
+def test_age_is_counted_in_whole_seconds(clusterd, client, clock):
+    clock.at(0.9)
+    client.send(request(fault("fault-0001"), fault("fault-0002")))  # both added at T0
+    clock.at(5.0)  # 4.1 s later, but 5 whole seconds: deleted at once
+    client.send(request(fault("fault-0001", assertion="recover")))
+    assert list(clusterd.active()) == [("node-a", "npu-node-agent", "fault-0002")]
+    clock.at(0.9 + 4.99)
+    client.send(request(fault("fault-0003")))
+    clock.at(9.99)  # 4.99 s later, but only 4 whole seconds: queued
+    client.send(request(fault("fault-0003", assertion="recover")))
+    assert clusterd.queue() == [(T0 + 10, ("node-a", "npu-node-agent", "fault-0003"))]
+
+
 def test_recover_soon_after_occur_is_deferred(clusterd, client, clock):
-    client.send(request(fault()))
-    clock.advance(1)
+    client.send(request(fault()))  # added at T0
+    clock.at(1)
     client.send(request(fault(assertion="recover")))
-    assert len(clusterd.active()) == 1  # kept until added_at + 5 s
-    clock.advance(3.9)
-    assert len(clusterd.active()) == 1
-    clock.advance(0.1)
-    assert clusterd.active() == {}
+    assert clusterd.queue() == [(T0 + 5, KEY)]
+    # The idle loop polls every 0.5 s from the start (T0): it sees the entry at T0+1.5, when
+    # floor(now) is T0+1, and sleeps 4 whole seconds.
+    clock.at(5.4)
+    assert KEY in clusterd.active()
+    clock.at(5.5)
+    assert clusterd.active() == {} and clusterd.queue() == []
 
 
-def test_recover_before_occur(clusterd, client, clock):
-    client.send(request(fault(assertion="recover")))
-    clock.advance(2)
+def test_recover_of_an_absent_key_removes_a_later_occur(clusterd, client, clock):
+    client.send(request(fault(assertion="recover")))  # absent: queued for T0+5 all the same
+    assert clusterd.queue() == [(T0 + 5, KEY)]
+    clock.at(2)
     client.send(request(fault()))
-    assert len(clusterd.active()) == 1
-    clock.advance(3)  # recover time + 5 s
+    assert KEY in clusterd.active()
+    clock.at(5.4)
+    assert KEY in clusterd.active()
+    clock.at(5.5)  # the queued deletion removes whatever holds the key
     assert clusterd.active() == {}
+    clock.at(6)
+    client.send(request(fault()))  # nothing queued any more: this one stays
+    clock.at(60)
+    assert KEY in clusterd.active()
 
 
 def test_duplicate_occur_ignored(clusterd, client, clock):
@@ -196,8 +223,63 @@ def test_once(clusterd, client, clock):
     client.send(request(fault(assertion="once", code="010011002")))
     [stored] = clusterd.active().values()
     assert stored.fault.assertion == "occur" and stored.level == "PreSeparateNPU"
-    clock.advance(5)
+    assert clusterd.queue() == [(T0 + 5, KEY)]
+    clock.at(1)
+    client.send(request(fault(assertion="once", code="010011002")))  # present: ignored, nothing queued
+    assert len(clusterd.queue()) == 1
+    clock.at(5.4)
+    assert KEY in clusterd.active()
+    clock.at(5.5)
     assert clusterd.active() == {}
+
+
+def test_a_due_deletion_waits_behind_a_head_with_a_later_deadline(clusterd, client, clock):
+    k2 = ("node-a", "npu-node-agent", "fault-0002")
+    client.send(request(fault("fault-0002")))  # added at T0
+    clock.at(3)
+    client.send(request(fault("fault-0001", assertion="recover")))  # absent: deadline T0+8
+    clock.at(3.2)
+    client.send(request(fault("fault-0002", assertion="recover")))  # deadline T0+5, behind it
+    assert clusterd.queue() == [(T0 + 8, KEY), (T0 + 5, k2)]
+    # The loop's next poll, T0+3.5, finds the head not due and sleeps 5 s on it.
+    clock.at(8.4)  # due since T0+5, still waiting: nothing is reordered
+    assert k2 in clusterd.active()
+    clock.at(8.5)  # the head goes, then the due entry right after it
+    assert clusterd.active() == {} and clusterd.queue() == []
+
+
+def test_the_phase_is_kept_back_to_back_and_reset_by_an_idle_poll(clock):
+    a, b, c = (("node-a", "npu-node-agent", f"fault-000{i}") for i in (1, 2, 3))
+    with ClusterdStandIn(clock=clock, poll_phase=0.9) as clusterd:  # polls at T0+0.9, +1.4, +1.9, ...
+        client = Client(clusterd.port)
+        client.send(request(fault("fault-0001", assertion="once")))  # deadline T0+5
+        clock.at(1)
+        client.send(request(fault("fault-0002", assertion="once")))  # deadline T0+6
+        # The loop saw A at T0+0.9 and slept 5 s: A goes at deadline + 0.9.
+        clock.at(5.8)
+        assert {a, b} == set(clusterd.active())
+        clock.at(5.9)
+        assert [b] == list(clusterd.active())
+        # B is drained right after A: slept 6 - 5 s from T0+5.9, so the phase .9 stays.
+        clock.at(6.8)
+        assert [b] == list(clusterd.active())
+        clock.at(6.9)
+        assert clusterd.active() == {}
+        # Idle again: polls 0.5 s apart from the last deletion (T0+7.4, +7.9, +8.4): a new phase.
+        clock.at(8)
+        client.send(request(fault("fault-0003", assertion="once")))  # deadline T0+13
+        clock.at(13.3)
+        assert [c] == list(clusterd.active())
+        clock.at(13.4)
+        assert clusterd.active() == {}
+
+
+def test_holds(clusterd, client):
+    client.send(request(fault()))  # devices 0 and 1 of node-a
+    assert clusterd.holds("node-a", 1) and clusterd.holds("node-a", 0, "020011001")
+    assert not clusterd.holds("node-a", 2)
+    assert not clusterd.holds("node-a", 1, "020011002")
+    assert not clusterd.holds("node-b", 0)
 
 
 def test_cache_cap_drops_adds_but_replies_ok(clock):
@@ -233,10 +315,11 @@ def test_unavailable_touches_nothing(clock):
 
 
 def test_stop_and_start_on_the_same_port(clusterd, client, clock):
-    client.send(request(fault("fault-0001")))
-    client.send(request(fault("fault-0001", assertion="recover")))  # deferred; the queue dies with the process
+    client.send(request(fault("fault-0001")))  # written at once
+    client.send(request(fault("fault-0001", assertion="recover")))  # queued; the queue dies with the process
     port = clusterd.port
     clusterd.stop()
+    assert clusterd.active() == {} and list(clusterd.persisted()) == [KEY]
     with pytest.raises(grpc.RpcError) as err:
         client.send(request(), timeout=1.0)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -246,6 +329,129 @@ def test_stop_and_start_on_the_same_port(clusterd, client, clock):
     assert client.send(request(fault("fault-0002")), wait_for_ready=True).code == 0
     clock.advance(10)
     assert sorted(key[2] for key in clusterd.active()) == ["fault-0001", "fault-0002"]
+
+
+def test_the_writer_lags_and_a_restart_loses_what_it_had_not_written(clusterd, client, clock):
+    a, b, c = (("node-a", "npu-node-agent", f"fault-000{i}") for i in (1, 2, 3))
+    client.send(request(fault("fault-0001")))  # the writer is idle: written at once, then it sleeps 1 s
+    clock.at(0.5)
+    client.send(request(fault("fault-0002")))  # waits for the end of the sleep
+    assert list(clusterd.persisted()) == [a]
+    clock.at(0.75)
+    clusterd.restart()
+    assert list(clusterd.active()) == [a]  # B is lost
+    client.send(request(fault("fault-0002")), wait_for_ready=True)  # the new writer is idle: at once
+    assert set(clusterd.persisted()) == {a, b}
+    clock.at(1.0)
+    client.send(request(fault("fault-0003")))
+    clock.at(1.74)
+    assert c not in clusterd.persisted()
+    clock.at(1.75)  # the sleep that began at T0+0.75 ends: C is written
+    assert set(clusterd.persisted()) == {a, b, c}
+    clock.at(1.8)
+    clusterd.restart()
+    assert set(clusterd.active()) == {a, b, c}
+
+
+def test_restart_without_the_configmap_comes_back_empty(clusterd, client, clock):
+    client.send(request(fault()))
+    clock.at(2)
+    clusterd.restart(persisted=False)
+    assert clusterd.active() == {} and clusterd.persisted() == {}
+
+
+def test_reloaded_entries_are_occurs_added_at_the_reload(clusterd, client, clock):
+    client.send(request(fault(faultLocation={"codes": "80E18402"})))
+    assert clusterd.persisted() == {KEY: {
+        "node": "node-a", "resource": "npu-node-agent", "faultId": "fault-0001", "faultType": "NPU",
+        "faultCode": "020011001", "level": "SeparateNPU", "faultTime": NOW_MS, "deviceIds": [0, 1]}}
+    clock.at(100)
+    clusterd.restart()
+    stored = clusterd.active()[KEY]
+    assert (stored.added_at, stored.level, stored.device_ids) == (T0 + 100, "SeparateNPU", (0, 1))
+    # Rebuilt from the stored fields: the location and description are gone.
+    assert stored.fault == pb.Fault(faultId="fault-0001", faultType="NPU", faultCode="020011001",
+                                    faultTime=NOW_MS, assertion="occur",
+                                    influence=[pb.PubFaultInfo(nodeName="node-a", deviceIds=[0, 1])])
+    clock.at(101)
+    client.send(request(fault(assertion="recover")), wait_for_ready=True)  # young again: queued
+    assert clusterd.queue() == [(T0 + 105, KEY)]
+    clock.at(105.4)
+    assert KEY in clusterd.active()
+    clock.at(105.5)
+    assert clusterd.active() == {}
+
+
+def test_a_once_inside_its_window_survives_a_restart_for_good(clusterd, client, clock):
+    client.send(request(fault(assertion="once")))
+    clock.at(2)
+    clusterd.restart()  # the pending deletion is lost; the entry was written
+    clock.at(100)
+    assert KEY in clusterd.active()
+
+
+def test_reload_delay(clock):
+    b = ("node-a", "npu-node-agent", "fault-0002")
+    with ClusterdStandIn(clock=clock, reload_delay_s=3) as clusterd:
+        client = Client(clusterd.port)
+        client.send(request(fault("fault-0001"), fault("fault-0002")))
+        clock.at(10)
+        clusterd.restart()  # the reload runs at T0+13
+        clock.at(10.2)
+        assert clusterd.active() == {}
+        # A recover of a persisted key before the reload: queued for T0+15.
+        client.send(request(fault("fault-0002", assertion="recover")), wait_for_ready=True)
+        clock.at(11)
+        client.send(request(fault("fault-0001", code="010011001")))  # absent now: added
+        assert clusterd.active()[KEY].fault.faultCode == "010011001"
+        assert clusterd.persisted()[KEY]["faultCode"] == "020011001"  # the writer starts with the reload
+        clock.at(13)
+        stored = clusterd.active()[KEY]
+        assert (stored.fault.faultCode, stored.level, stored.added_at) == ("020011001", "SeparateNPU", T0 + 13)
+        assert b in clusterd.active()
+        # The queued deletion removes the reloaded entry: the loop (started at T0+10) saw it at T0+10.5.
+        clock.at(15.4)
+        assert b in clusterd.active()
+        clock.at(15.5)
+        assert list(clusterd.active()) == [KEY]
+
+
+def test_lose_persistence(clusterd, client, clock):
+    b = ("node-a", "npu-node-agent", "fault-0002")
+    client.send(request(fault("fault-0001")))
+    clusterd.lose_persistence()
+    assert clusterd.persisted() == {} and list(clusterd.active()) == [KEY]
+    clock.at(2)
+    client.send(request(fault("fault-0002")))  # the next write recreates it, with the whole cache
+    assert set(clusterd.persisted()) == {KEY, b}
+    clusterd.lose_persistence()
+    clock.at(4)
+    clusterd.restart()
+    assert clusterd.active() == {}
+
+
+def test_forget_all_is_a_restart_with_nothing_saved_that_keeps_connections(clock):
+    with ClusterdStandIn(clock=clock, burst=2) as clusterd:
+        client = Client(clusterd.port)
+        client.send(request(fault("fault-0001"), fault("fault-0002", assertion="recover")))
+        assert client.send(request()).code == 0  # the bucket is empty now
+        clusterd.forget_all()
+        assert clusterd.active() == {} and clusterd.persisted() == {} and clusterd.queue() == []
+        assert client.send(request()).code == 0  # no reconnect needed (no wait_for_ready), and a full bucket
+        assert list(clusterd.active()) == [KEY]
+
+
+def test_the_persisted_list_goes_stale_above_4500_faults(clusterd, client, clock):
+    for r in range(45):
+        client.send(request(*(fault(f"fault-{r:02}-{i:03}") for i in range(100))))
+    assert len(clusterd.persisted()) == 100  # the first write; the rest wait for the writer's sleep
+    clock.at(1)
+    assert len(clusterd.persisted()) == 4500
+    client.send(request(fault("fault-one-more")))
+    clock.at(2)
+    assert len(clusterd.active()) == 4501 and len(clusterd.persisted()) == 4500
+    clusterd.restart()
+    assert len(clusterd.active()) == 4500
 
 
 def test_delay_trips_client_deadline(clusterd, client):
@@ -263,3 +469,22 @@ def test_delay_trips_client_deadline(clusterd, client):
 def test_wait_for_times_out(clusterd):
     with pytest.raises(AssertionError):
         clusterd.wait_for(lambda s: s.requests, timeout=0.05)
+
+
+def test_other_sender_keeps_the_delete_queue_busy():
+    with ClusterdStandIn() as clusterd, OtherSender(clusterd.port, interval_s=0.5, jitter_s=0.25,
+                                                    faults_per_request=1) as sender:
+        first = clusterd.wait_for(lambda s: s.queue(), timeout=10)[0]
+
+        def first_deleted(standin):
+            pending = standin.queue()
+            assert pending, "the delete queue went idle"
+            return first not in pending
+
+        # ~5.5 s: the first entry is deleted while later ones are still pending.
+        clusterd.wait_for(first_deleted, timeout=30, interval=0.05)
+        assert {key[0] for _, key in clusterd.queue()} == {"other-node"}
+        assert clusterd.active() == {}  # recovers of absent keys add nothing
+        started = time.monotonic()
+    assert time.monotonic() - started < 1.5  # stopping the sender doesn't wait for a full interval
+    assert sender.sent >= 5 and sender.rejected == sender.failed == 0

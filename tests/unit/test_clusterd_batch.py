@@ -1,165 +1,145 @@
-"""The ClusterD request planner: order per fault, deferral after a recover, coalescing, the 100 cap."""
+"""The ClusterD request planner: keys per occurrence, log order, the 100 cap, resync and re-assertion."""
 
 from __future__ import annotations
 
-from agent.faults.clusterd_batch import SETTLE_S, ClusterdView, plan
+from agent.faults.clusterd_batch import (RECOVERED_KEEP_S, RECOVERED_MAX, ClusterdView, plan, reassertion, requests,
+                                         resync)
 from agent.faults.engine import DeviceState
 from agent.faults.hub import Change
 from agent.faults.levels import Level
-from agent.faults.pubfault import PublicFault
+from agent.faults.pubfault import PublicFault, public_faults
 
 NODE = "node-a"
+CODES = {"SeparateNPU": "020011001", "RestartNPU": "020011002"}
+T = 1_780_000_000_000
 
 
 def wanted_of(change: Change) -> dict[str, PublicFault]:
-    """One public fault per faulty device (its id names the device), as the sink's mapping does."""
-    state = change.state
-    if state.level is Level.NormalNPU:
-        return {}
-    fid = f"fault-{state.phy_id}"
-    return {fid: PublicFault(fid, "020011001", state.since_ms, state.phy_id, state.level.name, "")}
+    return public_faults(NODE, change.state, CODES)
 
 
 class Log:
     def __init__(self):
         self.changes: list[Change] = []
 
-    def add(self, device: int, faulty: bool, since_ms: int = 1_760_000_000_000) -> None:
-        level = Level.SeparateNPU if faulty else Level.NormalNPU
-        state = DeviceState(phy_id=device, logic_id=device, level=level, since_ms=since_ms if faulty else 0)
+    def add(self, device: int, level: Level = Level.NormalNPU, at_ms: int = T) -> Change:
+        """The device enters `level` at `at_ms` (a new occurrence whenever the level changes)."""
+        state = DeviceState(phy_id=device, logic_id=device, level=level,
+                            since_ms=at_ms if level is not Level.NormalNPU else 0, level_since_ms=at_ms)
         self.changes.append(Change(len(self.changes) + 1, state))
+        return self.changes[-1]
 
     def after(self, cursor: int) -> list[Change]:
         return [c for c in self.changes if c.revision > cursor]
 
 
-def names(transitions) -> list[str]:
-    return [f"{assertion} {fault.fault_id}" for assertion, fault in transitions]
+def ids(change: Change) -> str:
+    [fid] = wanted_of(change)
+    return fid
 
 
-def acknowledge(step, at: float):
-    """What the sink does once ClusterD answered 0."""
-    step.view.recovered_at.update((f.fault_id, at) for a, f in step.transitions if a == "recover")
-    return step.view
+def names(transitions) -> list[tuple[str, str]]:
+    return [(assertion, fault.fault_id) for assertion, fault in transitions]
 
 
 def test_changes_go_out_in_log_order_and_the_view_follows():
     log = Log()
-    log.add(1, True)
-    log.add(2, True)
-    log.add(1, False)
-    step = plan(ClusterdView(), 0, log.after(0), wanted_of, now=100.0)
-    assert names(step.transitions) == ["occur fault-1", "occur fault-2", "recover fault-1"]
-    assert step.last_revision == 3 and step.coalesced == 0 and step.wait is None
-    assert set(step.view.held) == {"fault-2"}
+    one = log.add(1, Level.SeparateNPU)
+    two = log.add(2, Level.SeparateNPU)
+    log.add(1, at_ms=T + 10)
+    step = plan({}, 0, log.after(0), wanted_of)
+    assert names(step.transitions) == [("occur", ids(one)), ("occur", ids(two)), ("recover", ids(one))]
+    assert step.last_revision == 3 and set(step.held) == {ids(two)}
 
 
-def test_an_occur_soon_after_an_acknowledged_recover_is_deferred_without_holding_others_back():
+def test_each_occurrence_is_its_own_key_so_a_quick_reoccur_goes_out_at_once():
     log = Log()
-    log.add(1, True)
-    view = acknowledge(plan(ClusterdView(), 0, log.after(0), wanted_of, now=100.0), at=100.0)
-    log.add(1, False)
-    view = acknowledge(plan(view, 1, log.after(1), wanted_of, now=101.0), at=101.0)
-    log.add(1, True, since_ms=1_760_000_009_000)
-    log.add(2, True)
-    step = plan(view, 2, log.after(2), wanted_of, now=102.0)
-    assert names(step.transitions) == ["occur fault-2"]  # device 2 is not held up by device 1
-    assert step.last_revision == 4 and list(step.view.deferred) == ["fault-1"]
-    assert step.wait == SETTLE_S - 1.0
-    # Nothing new; when the recover has settled, the deferred occur goes out first.
-    early = plan(step.view, 4, [], wanted_of, now=101.0 + SETTLE_S - 0.1)
-    assert early.transitions == [] and early.wait > 0
-    due = plan(step.view, 4, [], wanted_of, now=101.0 + SETTLE_S)
-    assert names(due.transitions) == ["occur fault-1"] and not due.view.deferred and due.wait is None
-    assert due.transitions[0][1].time_ms == 1_760_000_009_000
+    first = log.add(3, Level.SeparateNPU, T)
+    log.add(3, Level.NormalNPU, T + 100)
+    again = log.add(3, Level.SeparateNPU, T + 200)
+    assert ids(first) != ids(again)
+    step = plan({}, 0, log.after(0), wanted_of)
+    assert names(step.transitions) == [("occur", ids(first)), ("recover", ids(first)), ("occur", ids(again))]
+    assert set(step.held) == {ids(again)}
 
 
-def test_a_deferred_occur_and_the_recover_after_it_cancel_out():
+def test_a_level_change_is_a_recover_of_one_code_and_an_occur_of_the_other():
     log = Log()
-    log.add(1, True)
-    view = acknowledge(plan(ClusterdView(), 0, log.after(0), wanted_of, now=100.0), at=100.0)
-    log.add(1, False)
-    view = acknowledge(plan(view, 1, log.after(1), wanted_of, now=101.0), at=101.0)
-    log.add(1, True)
-    log.add(1, False)
-    step = plan(view, 2, log.after(2), wanted_of, now=102.0)
-    assert step.transitions == [] and step.coalesced == 2 and not step.view.deferred
-    assert step.last_revision == 4 and step.view.held == {}
+    separate = log.add(0, Level.SeparateNPU, T)
+    restart = log.add(0, Level.RestartNPU, T + 5)
+    step = plan({}, 0, log.after(0), wanted_of)
+    assert names(step.transitions) == [("occur", ids(separate)), ("recover", ids(separate)), ("occur", ids(restart))]
+    assert step.held[ids(restart)].code == "020011002"
 
 
-def test_an_unsent_recover_and_the_reoccur_after_it_coalesce_keeping_the_held_fault():
+def test_codes_changing_within_one_level_send_nothing():
     log = Log()
-    log.add(1, True, since_ms=1_760_000_000_000)
-    view = acknowledge(plan(ClusterdView(), 0, log.after(0), wanted_of, now=100.0), at=100.0)
-    # A backlog: the device flaps 50 times, then ends faulty; another device fails meanwhile.
-    for i in range(50):
-        log.add(1, False)
-        log.add(1, True, since_ms=1_760_000_100_000 + i)
-    log.add(3, True)
-    step = plan(view, 1, log.after(1), wanted_of, now=200.0)
-    assert names(step.transitions) == ["occur fault-3"]
-    assert step.coalesced == 100 and step.last_revision == 102
-    assert step.view.held["fault-1"].time_ms == 1_760_000_000_000  # what ClusterD still holds
-    # Ending healthy instead leaves exactly one recover, carrying the start time ClusterD has.
-    log.add(1, False)
-    last = plan(step.view, 102, log.after(102), wanted_of, now=201.0)
-    assert names(last.transitions) == ["recover fault-1"]
-    assert last.transitions[0][1].time_ms == 1_760_000_000_000
+    first = log.add(0, Level.SeparateNPU, T)
+    held = plan({}, 0, log.after(0), wanted_of).held
+    later = DeviceState(0, 0, level=Level.SeparateNPU, since_ms=T - 50, level_since_ms=T)  # another code, same level
+    step = plan(held, 1, [Change(2, later)], wanted_of)
+    assert step.transitions == [] and step.last_revision == 2 and set(step.held) == {ids(first)}
 
 
-def test_a_brief_fault_inside_one_batch_is_sent_as_occur_then_recover():
-    log = Log()
-    log.add(1, True)
-    log.add(1, False)
-    log.add(1, True)
-    step = plan(ClusterdView(), 0, log.after(0), wanted_of, now=100.0)
-    # occur, recover, occur: the second pair coalesces; ClusterD ends up holding the fault.
-    assert names(step.transitions) == ["occur fault-1"] and step.coalesced == 2
-
-
-def test_recovers_from_a_previous_run_defer_occurs_until_they_settled():
-    log = Log()
-    log.add(1, True)
-    step = plan(ClusterdView(unknown_before=99.0), 0, log.after(0), wanted_of, now=100.0)
-    assert step.transitions == [] and step.wait == SETTLE_S - 1.0
-    later = plan(ClusterdView(unknown_before=90.0), 0, log.after(0), wanted_of, now=100.0)
-    assert names(later.transitions) == ["occur fault-1"]
-
-
-def test_a_request_holds_at_most_100_faults_and_whole_changes():
+def test_at_most_100_transitions_and_whole_changes_only():
     log = Log()
     for device in range(150):
-        log.add(device, True)
-    first = plan(ClusterdView(), 0, log.after(0), wanted_of, now=100.0)
-    assert len(first.transitions) == 100 and first.last_revision == 100
-    second = plan(first.view, 100, log.after(100), wanted_of, now=101.0)
-    assert len(second.transitions) == 50 and second.last_revision == 150
-    assert len(second.view.held) == 150
+        log.add(device, Level.SeparateNPU)
+    step = plan({}, 0, log.after(0), wanted_of)
+    assert len(step.transitions) == 100 and step.last_revision == 100
+    rest = plan(step.held, step.last_revision, log.after(step.last_revision), wanted_of)
+    assert len(rest.transitions) == 50 and rest.last_revision == 150 and len(rest.held) == 150
 
 
-def test_a_recover_cancelling_an_occur_deferred_for_a_previous_run_is_still_sent():
-    # The previous run may have had the occur in flight when it died: ClusterD may hold the fault.
+def test_resync_recovers_what_is_gone_keeps_unknown_devices_and_repeats_every_occur():
     log = Log()
-    log.add(1, True)
-    step = plan(ClusterdView(unknown_before=99.0), 0, log.after(0), wanted_of, now=100.0)
-    assert list(step.view.deferred) == ["fault-1"]
-    log.add(1, False)
-    after = plan(step.view, 1, log.after(1), wanted_of, now=101.0)
-    assert names(after.transitions) == ["recover fault-1"] and after.coalesced == 0
-    assert not after.view.deferred and not after.view.held
+    stays, goes, unknown = log.add(1, Level.SeparateNPU), log.add(2, Level.SeparateNPU), log.add(9, Level.SeparateNPU)
+    held = plan({}, 0, log.after(0), wanted_of).held
+    fresh = log.add(4, Level.RestartNPU)
+    wanted = {1: wanted_of(stays), 2: {}, 4: wanted_of(fresh)}  # device 9 is not in the log any more
+    items, target = resync(held, wanted)
+    assert names(items) == [("recover", ids(goes)), ("occur", ids(unknown)), ("occur", ids(stays)), ("occur", ids(fresh))]
+    assert set(target) == {ids(stays), ids(unknown), ids(fresh)}
 
 
-def test_the_wire_fault_names_its_pods_within_clusterds_limits():
-    from agent.faults.pubfault import fault_problems, to_message
-    from agent.kube.podresources import PodRef
+def test_acknowledged_recovers_are_kept_for_reassertion_for_a_while_and_bounded():
+    log = Log()
+    for device in range(RECOVERED_MAX + 20):
+        log.add(device, Level.SeparateNPU)
+    step = plan({}, 0, log.after(0), wanted_of)
+    view = ClusterdView().acknowledged(step.transitions, step.held, now_ms=T)
+    for device in range(RECOVERED_MAX + 20):
+        log.add(device, at_ms=T + 1)
+    cursor = step.last_revision
+    while cursor < len(log.changes):
+        step = plan(view.held, cursor, log.after(cursor), wanted_of)
+        view = view.acknowledged(step.transitions, step.held, now_ms=T + cursor)
+        cursor = step.last_revision
+    assert view.held == {} and len(view.recovered) == RECOVERED_MAX
+    kept_at = sorted(at for _, at in view.recovered.values())
+    assert kept_at[0] > T  # the oldest were dropped first
+    assert [a for a, _ in reassertion(view)] == ["recover"] * RECOVERED_MAX
+    later = view.acknowledged([], {}, now_ms=T + RECOVERED_KEEP_S * 1000 + cursor + 1)
+    assert later.recovered == {}
 
-    fault = PublicFault("f" * 64, "020011001", 1_760_000_000_000, 3, "SeparateNPU", "80E18402")
-    assert "pod" not in to_message(NODE, "occur", fault).faultLocation  # a free NPU names nobody
-    pods = tuple(PodRef("ns", f"pod-{i}-" + "x" * 240, "c\tmain") for i in range(40))
-    message = to_message(NODE, "occur", fault, pods)
-    assert fault_problems(message, frozenset({"020011001"})) == []
-    assert message.faultLocation["pod"].startswith("pod-0-x") and len(message.faultLocation["pod"]) == 128
-    assert message.faultLocation["container"] == "c main" and message.faultLocation["pods"] == "40"
-    assert len(message.description) == 512 and "\t" not in message.description
-    lone = to_message(NODE, "occur", fault, (PodRef("team-é", "train-0", "main"),))
-    assert lone.description.endswith("; pods: team-é/train-0 (container main)")
+
+def test_reassertion_repeats_every_held_key_and_recent_recover():
+    log = Log()
+    gone = log.add(1, Level.SeparateNPU)
+    held = log.add(2, Level.SeparateNPU)
+    log.add(1, at_ms=T + 1)
+    step = plan({}, 0, log.after(0), wanted_of)
+    view = ClusterdView().acknowledged(step.transitions, step.held, now_ms=T)
+    assert names(reassertion(view)) == [("occur", ids(held)), ("recover", ids(gone))]
+    assert reassertion(ClusterdView()) == []
+    assert [len(r) for r in requests(reassertion(view) * 60)] == [100, 20]
+
+
+def test_the_view_survives_its_own_serialisation():
+    log = Log()
+    log.add(1, Level.SeparateNPU)
+    log.add(2, Level.SeparateNPU)
+    log.add(1, at_ms=T + 1)
+    step = plan({}, 0, log.after(0), wanted_of)
+    view = ClusterdView().acknowledged(step.transitions, step.held, now_ms=T)
+    assert ClusterdView.from_dict(view.to_dict()) == view

@@ -341,3 +341,27 @@ def test_seeded_codes_stay_until_a_reading_answers_and_keep_their_start():
     assert e.state(4).since_ms == T0 - 60 * S and e.event_counts["occur"] == 0
     e.on_reading(4, frozenset(), Health.HEALTHY, T0 + 3 * S)
     assert e.state(4).level is Level.NormalNPU
+
+
+def test_each_entry_into_a_level_has_its_own_strictly_later_start():
+    e = engine()
+    first = e.on_event(4, 0x80E18402, OCCUR, 3, None, T0 + S)[0]
+    assert (first.level, first.level_since_ms) == (Level.SeparateNPU, T0 + S)
+    assert e.on_event(4, 0x80E18402, OCCUR, 3, None, T0 + 2 * S) == []  # still the same occurrence
+    # Recovered and back within the same millisecond (a burst of driver events): still a new occurrence.
+    healthy = e.on_event(4, 0x80E18402, RECOVER, 3, None, T0 + 3 * S)[0]
+    again = e.on_event(4, 0x80E18402, OCCUR, 3, None, T0 + 3 * S)[0]
+    assert first.level_since_ms < healthy.level_since_ms < again.level_since_ms
+    # A clock that steps back does not make an occurrence repeat an earlier one's start.
+    e.on_event(4, 0x80E18402, RECOVER, 3, None, T0)
+    back = e.on_event(4, 0x80E18402, OCCUR, 3, None, T0)[0]
+    assert back.level_since_ms > again.level_since_ms
+
+
+def test_a_seeded_level_keeps_its_start_and_a_new_one_gets_a_new_start():
+    e = engine(observed=False)
+    [state] = e.seed(4, [(0x80E18402, T0 - 60 * S)], Health.UNHEALTHY, T0, Level.SeparateNPU, T0 - 30 * S)
+    assert state.level_since_ms == T0 - 30 * S  # the occurrence goes on across the restart
+    other = engine(observed=False)
+    [changed] = other.seed(4, [(0x80E18005, T0 - 60 * S)], Health.UNHEALTHY, T0, Level.SeparateNPU, T0 - 30 * S)
+    assert changed.level is Level.RestartNPU and changed.level_since_ms == T0  # the level differs: a new one

@@ -1,6 +1,10 @@
-"""The durable fault log: revisions across restarts, torn tails, cursors, compaction."""
+"""The durable fault log: revisions across restarts, torn tails, epochs, cursors, failed writes, compaction."""
 
 from __future__ import annotations
+
+import json
+
+import pytest
 
 from agent.faults.engine import ActiveCode, DeviceState, Health
 from agent.faults.levels import Level
@@ -48,7 +52,18 @@ def test_a_torn_tail_is_cut_off_and_logged(tmp_path, caplog):
     assert [c.revision for c in again.append([state(3)])] == [3]
 
 
-def test_a_corrupt_record_cuts_the_log_there(tmp_path):
+def test_a_torn_tail_keeps_the_epoch(tmp_path):
+    log = opened(tmp_path)
+    log.append([state(0)])
+    log.commit("clusterd", 1)
+    log.close()
+    with open(tmp_path / "faultlog" / "log", "ab") as handle:
+        handle.write(b"0123abcd {\"rev\":2")  # the unfinished write was never handed to anyone
+    again = opened(tmp_path)
+    assert again.epoch == log.epoch and again.resets == [] and again.cursor("clusterd") == 1
+
+
+def test_a_corrupt_record_cuts_the_log_there_and_starts_a_new_epoch(tmp_path):
     log = opened(tmp_path)
     log.append([state(0), state(1), state(2)])
     log.close()
@@ -58,22 +73,105 @@ def test_a_corrupt_record_cuts_the_log_there(tmp_path):
     path.write_bytes(b"".join(lines))
     again = opened(tmp_path)
     assert again.revision == 1 and set(again.latest()) == {0}
+    assert again.epoch != log.epoch and any("corrupt record" in r for r in again.resets)
 
 
-def test_cursors_persist_and_pending_counts(tmp_path):
+def test_cursors_and_sink_state_persist_and_pending_counts(tmp_path):
     log = opened(tmp_path)
-    assert log.cursor("clusterd") == 0
+    assert log.cursor("clusterd") is None and log.sink_state("clusterd") is None  # a new sink resynchronises
     log.append([state(0), state(1)])
     assert log.pending("clusterd") == 2
-    log.commit("clusterd", 1)
+    log.commit("clusterd", 1, {"held": ["x"]})
     log.close()
     again = opened(tmp_path)
     assert again.cursor("clusterd") == 1 and again.pending("clusterd") == 1
+    assert again.sink_state("clusterd") == {"held": ["x"]}
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated", "truncated-no-sink"])
+def test_a_log_lost_or_cut_between_runs_starts_a_new_epoch_and_cursors_follow(tmp_path, damage):
+    log = opened(tmp_path)
+    log.append([state(0), state(1, 0x80E18402), state(2)])
+    if damage != "truncated-no-sink":
+        log.commit("clusterd", 3, {"held": []})
+    log.close()
+    path = tmp_path / "faultlog" / "log"
+    if damage == "deleted":
+        path.unlink()
+    else:
+        path.write_bytes(b"".join(path.read_bytes().splitlines(keepends=True)[:1]))  # whole records, just fewer
+    again = opened(tmp_path)
+    assert again.epoch != log.epoch and again.resets
+    assert again.cursor("clusterd") is None  # from another epoch: resynchronise, whatever the number says
+    assert again.pending("clusterd") >= 0
+    assert [c.revision for c in again.append([state(5)])] == [again.revision]
+    if damage != "truncated-no-sink":
+        assert again.sink_state("clusterd") == {"held": []}  # what the sink knew of its peer is still true
+    again.commit("clusterd", again.revision, {"held": []})
+    again.close()
+    third = opened(tmp_path)
+    assert (third.epoch, third.resets, third.cursor("clusterd")) == (again.epoch, [], again.revision)
+
+
+@pytest.mark.parametrize("content", ['["not", "an", "object"]', '{"sinks": {"clusterd": {"revision": "x"}}}', "{oops"])
+def test_cursors_of_the_wrong_shape_are_skipped_with_a_log_line(tmp_path, caplog, content):
+    log = opened(tmp_path)
+    log.append([state(0)])
+    log.close()
+    (tmp_path / "faultlog" / "cursors.json").write_text(content)
+    again = opened(tmp_path)
+    assert again.cursor("clusterd") is None and again.revision == 1
+    assert "cursor is malformed" in caplog.text or "metadata" in caplog.text
+
+
+def test_the_first_cursor_format_is_read(tmp_path):
+    log = opened(tmp_path)
+    log.append([state(0), state(1)])
+    log.close()
+    (tmp_path / "faultlog" / "cursors.json").write_text(json.dumps({"clusterd": 1}))
+    again = opened(tmp_path)
+    assert (again.epoch, again.cursor("clusterd")) == (log.epoch, 1)
+
+
+def test_a_failed_append_changes_nothing_and_the_next_one_works(small_fs):
+    log = FaultLog(small_fs.path / "faultlog")
+    log.open()
+    log.append([state(0)])
+    before = (small_fs.path / "faultlog" / "log").read_bytes()
+    small_fs.fill()
+    with pytest.raises(OSError):
+        log.append([state(1, 0x80E18402)] * 400)  # more than the page the file already has
+    assert log.revision == 1 and (small_fs.path / "faultlog" / "log").read_bytes() == before
+    small_fs.free()
+    assert [c.revision for c in log.append([state(1, 0x80E18402)])] == [2]
+    log.close()
+    again = FaultLog(small_fs.path / "faultlog")
+    again.open()
+    assert again.revision == 2 and again.truncated_bytes == 0 and again.resets == []
+
+
+def test_a_failed_commit_keeps_the_old_cursor_and_a_later_one_saves(small_fs):
+    log = FaultLog(small_fs.path / "faultlog")
+    log.open()
+    log.append([state(0), state(1)])
+    log.commit("clusterd", 1)
+    small_fs.read_only()
+    try:
+        with pytest.raises(OSError):
+            log.commit("clusterd", 2)
+        assert log.cursor("clusterd") == 1
+    finally:
+        small_fs.read_only(False)
+    log.commit("clusterd", 2)
+    log.close()
+    again = FaultLog(small_fs.path / "faultlog")
+    again.open()
+    assert again.cursor("clusterd") == 2
 
 
 def test_compaction_keeps_what_a_lagging_sink_still_needs(tmp_path):
     log = opened(tmp_path, keep_recent=10)
-    log.cursor("clusterd")
+    log.commit("clusterd", 0)
     for i in range(3000):
         log.append([state(i % 4, 0x80E18402 if i % 2 else None)])
     log.commit("clusterd", 2500)  # compaction may fold everything up to 2500

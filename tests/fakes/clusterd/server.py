@@ -1,26 +1,59 @@
 """A stand-in for ClusterD's public-fault gRPC API (``/PubFault/SendPublicFault``).
 
-It speaks the real protocol over a real socket and applies ClusterD's real rules
-(rate limit, validation, silent drops, assertion semantics, cache cap), so the
-agent's real client can be tested against it.  The rules are described in
-``/work/shared/reference/clusterd.md`` §4; this file re-implements them from
-that description.
+It speaks the real protocol over a real socket and applies ClusterD's rules (rate
+limit, validation, silent drops, assertion semantics, cache cap, the delete queue
+and the ConfigMap persistence), so the agent's real client can be tested
+against it, failure modes included.
 
-Time: every time-dependent rule (token refill, the 5 s recover delay, add times)
-reads the injected ``clock``, so a test can drive it with a fake clock.  The
-delayed deletions that ClusterD runs on a background queue are applied lazily
-here, at the start of each call and in every query method, so there are no
-timer threads to race against.
+The cache holds one entry per (node, resource, faultId); its add time is the
+whole second of the insert.  Per key:
+
+* ``occur`` adds the entry if the key is absent; if present, nothing happens
+  (no update, nothing queued).
+* ``recover`` deletes at once if the entry is at least 5 whole seconds old;
+  a younger entry gets a deletion queued for add time + 5; an absent key gets
+  one queued for floor(now) + 5, so an occur arriving before it runs is removed.
+* ``once`` on an absent key adds it and queues a deletion for floor(now) + 5;
+  on a present key nothing happens.
+
+A queued deletion is only (deadline, key) and removes whatever entry holds the
+key when it runs.  All deletions share one FIFO (every sender, resource and
+node), drained by one loop: idle, it polls every 0.5 s; a head whose deadline
+is <= floor(now) is deleted at once; otherwise the loop sleeps
+deadline - floor(now) whole seconds and then deletes it.  A deletion therefore
+lands at deadline + the sub-second phase at which the loop looked at the head;
+entries drained back to back keep that phase, and a due entry waits behind a
+head with a later deadline.
+
+Persistence: after each accepted request and each queued deletion, a writer
+stores a snapshot of the whole cache (without assertion, add time, location
+and description) at once if idle, then sleeps ``write_interval_s``; changes
+meanwhile are written together when the sleep ends.  Above 4500 cached faults
+the stored list is no longer updated.  On start, once ``reload_delay_s`` after
+serving begins, the stored entries are inserted as occur with the reload time
+as add time (replacing an entry of the same key); requests before that see a
+cache without them.  The writer starts with the reload, so a notify before it
+is written then and cannot overwrite the stored entries before they are read.
+A restart loses the queue, the cache changes not yet written, and the limiter
+buckets.
+
+Time: every rule reads the injected ``clock``.  The background loops (delete
+queue, writer, reload) are a discrete-event simulation that is advanced to the
+clock's now at the start of every call and every query, so a test can drive it
+with a fake clock and there are no timer threads to race against.  Events at
+the same instant as a request happen before it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import threading
 import time
+from collections import deque
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -66,6 +99,11 @@ RATE_INFO = "limiter work by resource failed"
 
 MAX_CACHED_FAULTS = 50_000
 MIN_TIME_MS = 1735689600000  # 2025-01-01T00:00:00Z
+RECOVER_DELAY_S = 5  # whole seconds: every fault stays cached at least this long
+IDLE_POLL_S = 0.5  # the delete loop's poll while its queue is empty
+MAX_PERSISTED_FAULTS = 4500  # above this the persisted list stays stale
+
+Key = tuple[str, str, str]  # (node, resource, faultId)
 
 # ClusterD's regexes are Go RE2 anchored with ^...$, i.e. whole-string matches; we
 # use re.fullmatch because Python's `$` would also accept a trailing newline.
@@ -110,8 +148,9 @@ class Received:
 class StoredFault:
     """One cache entry: ClusterD keeps a copy per influenced node."""
     fault: pb.Fault
-    added_at: float
+    added_at: int  # whole Unix seconds
     level: str
+    device_ids: tuple[int, ...] = ()  # this node's influence
 
 
 class _TokenBucket:
@@ -147,18 +186,17 @@ def _load_config(config: Mapping[str, Any] | str | os.PathLike) -> tuple[dict[st
 class ClusterdStandIn(pb_grpc.PubFaultServicer):
     """ClusterD's PubFault service on a local port, with knobs for outage tests.
 
-    Restart semantics (``stop()`` then ``start()``), like a real ClusterD pod
-    restart: cached faults survive (ClusterD persists them in a ConfigMap),
-    while the in-memory delayed deletions are lost and the rate-limit buckets
-    start full again.
+    ``stop()`` then ``start()`` is a ClusterD pod restart: the new process
+    starts with an empty cache, reloads what the ConfigMap holds, and has lost
+    its delete queue, unwritten changes and rate-limit buckets.
     """
 
     def __init__(self, config: Mapping[str, Any] | str | os.PathLike = DEFAULT_CONFIG, *,
-                 recover_defer_s: float = 5.0, rate_per_s: float = 1.0, burst: int = 100,
-                 clock: Callable[[], float] = time.time, host: str = "127.0.0.1", port: int = 0,
-                 node_sns: Mapping[str, str] | None = None, max_cached_faults: int = MAX_CACHED_FAULTS):
+                 rate_per_s: float = 1.0, burst: int = 100, clock: Callable[[], float] = time.time,
+                 host: str = "127.0.0.1", port: int = 0, node_sns: Mapping[str, str] | None = None,
+                 max_cached_faults: int = MAX_CACHED_FAULTS, poll_phase: float | None = None,
+                 write_interval_s: float = 1.0, reload_delay_s: float = 0.0):
         self._levels, self._resources = _load_config(config)
-        self._recover_defer_s = recover_defer_s
         self._rate_per_s, self._burst = rate_per_s, burst
         self._clock = clock
         self._host = host
@@ -167,41 +205,65 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
         # product-serial-number. Empty by default, so SN-only influences fail.
         self.node_sns: dict[str, str] = dict(node_sns or {})
         self._max_cached = max_cached_faults
+        if poll_phase is not None and not 0 <= poll_phase < 1:
+            raise ValueError("poll_phase is a fraction of a second in [0, 1)")
+        self._poll_phase = poll_phase
+        self._write_interval_s = write_interval_s
+        self._reload_delay_s = reload_delay_s
 
         self._lock = threading.Lock()
-        self._buckets: dict[str, _TokenBucket] = {}
-        self._cache: dict[tuple[str, str, str], StoredFault] = {}
-        self._pending: list[tuple[float, tuple[str, str, str]]] = []  # (due, cache key)
         self._requests: list[Received] = []
         self._assertions: list[tuple[str, str]] = []  # (faultId, assertion), accepted faults only
         self._unavailable = False
         self._delay = 0.0
         self._stopped = threading.Event()  # wakes handlers sleeping in delay() on stop()
         self._server: grpc.Server | None = None
-        self._reset_buckets()
+        self._generation = 0  # one per process, so a handler from a previous one can't touch this one
+        # The ConfigMap: outlives the process.
+        self._persisted: dict[Key, dict[str, Any]] = {}
+        # The process (see _boot and _die).
+        self._running = False
+        self._buckets: dict[str, _TokenBucket] = {}
+        self._cache: dict[Key, StoredFault] = {}
+        self._queue: deque[tuple[int, Key]] = deque()  # (deadline, key), head first
+        self._drain_at = 0.0  # when the delete loop next acts
+        self._drain_sleeping = False  # True: at _drain_at it wakes and deletes the head; False: it looks at the head
+        self._reload_at: float | None = None  # pending reload
+        self._writer_live = False  # the writer starts with the reload; notifies before it wait in the flag
+        self._writer_wake: float | None = None  # end of the writer's sleep; None: idle
+        self._write_pending = False  # the 1-slot notify flag
+
+    @property
+    def address(self) -> str:
+        return f"[{self._host}]:{self.port}" if ":" in self._host else f"{self._host}:{self.port}"
 
     # ----- lifecycle -----
 
-    def start(self) -> "ClusterdStandIn":
+    def start(self, persisted: bool = True) -> "ClusterdStandIn":
+        """Start serving (on the same port after a stop).  ``persisted=False``: the ConfigMap is gone."""
         if self._server is not None:
             raise RuntimeError("ClusterdStandIn already started")
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="clusterd-standin"),
                              options=SERVER_OPTIONS)
         pb_grpc.add_PubFaultServicer_to_server(self, server)
-        host = f"[{self._host}]" if ":" in self._host else self._host
         try:
-            bound = server.add_insecure_port(f"{host}:{self.port}")
+            bound = server.add_insecure_port(self.address)
         except RuntimeError as e:  # grpcio raises on bind failure; older versions returned 0
-            raise OSError(f"clusterd stand-in cannot bind {host}:{self.port}: {e}") from None
+            raise OSError(f"clusterd stand-in cannot bind {self.address}: {e}") from None
         if bound == 0:
-            raise OSError(f"clusterd stand-in cannot bind {host}:{self.port}")
+            raise OSError(f"clusterd stand-in cannot bind {self.address}")
         self.port = bound  # remembered, so a restart comes back on the same port
+        with self._lock:
+            if not persisted:
+                self._persisted.clear()
+            self._boot(self._clock())
         self._stopped.clear()
         server.start()
         self._server = server
         return self
 
     def stop(self, grace: float | None = 0) -> None:
+        """ClusterD goes down; its listener is closed (``start()`` brings a new process on the same port)."""
         if self._server is None:
             return
         self._stopped.set()
@@ -209,10 +271,37 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
         self._server.stop(grace).wait()
         self._server = None
         with self._lock:
-            # Whatever was due by now has happened; the rest of the queue dies with the process.
-            self._apply_due_deletions(self._clock())
-            self._pending.clear()
-            self._reset_buckets()
+            self._die(self._clock())
+
+    def restart(self, persisted: bool = True) -> "ClusterdStandIn":
+        self.stop()
+        return self.start(persisted)
+
+    def forget_all(self) -> None:
+        """ClusterD restarted with nothing saved, behind a proxy: the clients' connections stay up."""
+        with self._lock:
+            now = self._clock()
+            self._die(now)
+            self._persisted.clear()
+            self._boot(now)
+
+    def _boot(self, now: float) -> None:
+        """A new ClusterD process starts serving at ``now`` (lock held)."""
+        self._generation += 1
+        self._running = True
+        self._cache, self._queue = {}, deque()
+        self._drain_at, self._drain_sleeping = self._first_poll(now), False
+        self._reload_at = now + self._reload_delay_s
+        self._writer_live, self._writer_wake, self._write_pending = False, None, False
+        # Limiters are built fresh by the new process, full.
+        self._buckets = {r: _TokenBucket(self._rate_per_s, self._burst, now) for r in self._resources}
+
+    def _die(self, now: float) -> None:
+        """The process dies at ``now``: due events happen, the rest and unwritten changes are lost (lock held)."""
+        self._advance(now)
+        self._running = False
+        self._cache, self._queue = {}, deque()
+        self._reload_at, self._writer_wake, self._write_pending = None, None, False
 
     def __enter__(self) -> "ClusterdStandIn":
         return self.start()
@@ -237,6 +326,12 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
             for bucket in self._buckets.values():
                 bucket.tokens = float(bucket.burst)
 
+    def lose_persistence(self) -> None:
+        """The ConfigMap is deleted; the running cache is untouched (the next write recreates it)."""
+        with self._lock:
+            self._advance(self._clock())
+            self._persisted.clear()
+
     # ----- observation -----
 
     @property
@@ -244,11 +339,29 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
         with self._lock:
             return list(self._requests)
 
-    def active(self) -> dict[tuple[str, str, str], StoredFault]:
-        """Cached faults keyed by (node, resource, faultId), after due deletions."""
+    def active(self) -> dict[Key, StoredFault]:
+        """Cached faults keyed by (node, resource, faultId), now; empty while stopped."""
         with self._lock:
-            self._apply_due_deletions(self._clock())
+            self._advance(self._clock())
             return dict(self._cache)
+
+    def holds(self, node: str, device: int, code: str | None = None) -> bool:
+        """Whether a cached fault of ``node`` names physical ``device`` (with ``code``, if given)."""
+        return any(key[0] == node and device in stored.device_ids
+                   and (code is None or stored.fault.faultCode == code)
+                   for key, stored in self.active().items())
+
+    def queue(self) -> list[tuple[int, Key]]:
+        """Pending deletions (deadline, key), head first."""
+        with self._lock:
+            self._advance(self._clock())
+            return list(self._queue)
+
+    def persisted(self) -> dict[Key, dict[str, Any]]:
+        """What the ConfigMap holds now, per key: the stored fields only."""
+        with self._lock:
+            self._advance(self._clock())
+            return {key: dict(rec, deviceIds=list(rec["deviceIds"])) for key, rec in self._persisted.items()}
 
     def assertions(self, fault_id: str) -> list[str]:
         with self._lock:
@@ -275,7 +388,7 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
 
     def SendPublicFault(self, request: pb.PublicFaultRequest, context: grpc.ServicerContext) -> pb.RespStatus:
         with self._lock:
-            unavailable, delay = self._unavailable, self._delay
+            unavailable, delay, generation = self._unavailable, self._delay, self._generation
         if unavailable:
             context.abort(grpc.StatusCode.UNAVAILABLE, "clusterd stand-in: unavailable")
         if delay > 0 and self._stopped.wait(delay):
@@ -283,19 +396,19 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
         # Like ClusterD, the handler doesn't look at the client's deadline: a call
         # the client already gave up on is still applied.
         with self._lock:
+            if not self._running or self._generation != generation:  # its process died meanwhile
+                context.abort(grpc.StatusCode.UNAVAILABLE, "clusterd stand-in: stopped")
             now = self._clock()
-            self._apply_due_deletions(now)
+            self._advance(now)
             code, info, dropped = self._process(request, now)
+            if code == OK:
+                self._notify(now)
             kept = pb.PublicFaultRequest()
             kept.CopyFrom(request)
             self._requests.append(Received(now, kept, code, info, dropped))
         return pb.RespStatus(code=code, info=info)
 
     # ----- ClusterD's rules (all called with the lock held) -----
-
-    def _reset_buckets(self) -> None:
-        now = self._clock()
-        self._buckets = {r: _TokenBucket(self._rate_per_s, self._burst, now) for r in self._resources}
 
     def _process(self, req: pb.PublicFaultRequest, now: float) -> tuple[int, str, list[tuple[str, str]]]:
         # 1. Rate limit before anything else, so invalid requests spend tokens too.
@@ -323,7 +436,7 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
             self._assertions.append((fault.faultId, fault.assertion))
             for influence in fault.influence:
                 node = influence.nodeName or self.node_sns[influence.nodeSN]
-                self._apply(fault, (node, req.resource, fault.faultId), now)
+                self._apply(fault, (node, req.resource, fault.faultId), tuple(influence.deviceIds), now)
         return OK, OK_INFO, dropped
 
     @staticmethod
@@ -386,40 +499,115 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
             return "invalid device id"
         return None
 
-    def _apply(self, fault: pb.Fault, key: tuple[str, str, str], now: float) -> None:
+    def _apply(self, fault: pb.Fault, key: Key, device_ids: tuple[int, ...], now: float) -> None:
+        second = math.floor(now)
         stored = self._cache.get(key)
         if fault.assertion == "occur":
             if stored is None:  # an existing occur is kept as is: time and code not updated
-                self._add(fault, key, now)
+                self._add(fault, key, device_ids, second)
         elif fault.assertion == "recover":
             if stored is None:
-                # Recover before occur: an occur arriving within the window is still removed.
-                self._pending.append((now + self._recover_defer_s, key))
-            elif now - stored.added_at >= self._recover_defer_s:
+                # Not a no-op: an occur of this key arriving before the deletion runs is removed by it.
+                self._queue.append((second + RECOVER_DELAY_S, key))
+            elif second - stored.added_at >= RECOVER_DELAY_S:
                 del self._cache[key]
-            else:
-                # Too young: every fault stays visible for at least the defer time.
-                self._pending.append((stored.added_at + self._recover_defer_s, key))
+            else:  # too young: every fault stays visible for the recover delay
+                self._queue.append((stored.added_at + RECOVER_DELAY_S, key))
         elif fault.assertion == "once" and stored is None:
-            self._add(fault, key, now)
-            self._pending.append((now + self._recover_defer_s, key))
+            self._add(fault, key, device_ids, second)
+            self._queue.append((second + RECOVER_DELAY_S, key))
 
-    def _add(self, fault: pb.Fault, key: tuple[str, str, str], now: float) -> None:
-        if len(self._cache) >= self._max_cached:  # ClusterD only logs it; the reply stays 0
+    def _add(self, fault: pb.Fault, key: Key, device_ids: tuple[int, ...], second: int,
+             level: str | None = None) -> None:
+        if key not in self._cache and len(self._cache) >= self._max_cached:
+            # ClusterD only logs it; the reply stays 0
             log.warning("clusterd stand-in: cache full (%d), fault %r on %r not added",
                         self._max_cached, fault.faultId, key[0])
             return
         kept = pb.Fault()
         kept.CopyFrom(fault)
         kept.assertion = "occur"  # `once` is stored as an occur
-        self._cache[key] = StoredFault(kept, now, self._levels[fault.faultCode])
+        self._cache[key] = StoredFault(kept, second, level or self._levels[fault.faultCode], device_ids)
 
-    def _apply_due_deletions(self, now: float) -> None:
-        due = [key for when, key in self._pending if when <= now]
-        if due:
-            self._pending = [(when, key) for when, key in self._pending if when > now]
-            for key in due:
-                self._cache.pop(key, None)
+    # ----- the background loops, as a discrete-event simulation (lock held) -----
+
+    def _first_poll(self, start: float) -> float:
+        if self._poll_phase is None:
+            return start
+        first = math.floor(start) + self._poll_phase
+        return first if first >= start else first + 1
+
+    def _advance(self, now: float) -> None:
+        """Run every background event due by ``now``, earliest first."""
+        if not self._running:
+            return
+        while True:
+            # Same-instant ties go in a fixed order: writer, reload, delete loop.
+            events = [(self._drain_at, 2, self._drain)]
+            if self._writer_wake is not None:
+                events.append((self._writer_wake, 0, self._writer_woke))
+            if self._reload_at is not None:
+                events.append((self._reload_at, 1, self._reload))
+            at, _, handle = min(events, key=lambda e: e[:2])
+            if at > now:
+                return
+            handle(at, now)
+
+    def _drain(self, at: float, now: float) -> None:
+        """The delete loop acts at ``at``: wakes from a sleep, or looks at the head."""
+        if self._drain_sleeping:
+            self._drain_sleeping = False
+            self._delete_head(at)  # then looks at the next head at once (same _drain_at)
+        elif not self._queue:
+            # Only requests push, and none comes before `now`: the idle polls up to now find nothing.
+            self._drain_at = at + IDLE_POLL_S * (math.floor((now - at) / IDLE_POLL_S) + 1)
+        elif self._queue[0][0] <= math.floor(at):
+            self._delete_head(at)
+        else:
+            # Whole seconds, measured from the whole second: it wakes at deadline + this instant's phase.
+            self._drain_at = at + (self._queue[0][0] - math.floor(at))
+            self._drain_sleeping = True
+
+    def _delete_head(self, at: float) -> None:
+        _, key = self._queue.popleft()
+        self._cache.pop(key, None)  # whatever entry holds the key now
+        self._notify(at)
+
+    def _notify(self, at: float) -> None:
+        if self._writer_live and self._writer_wake is None:
+            self._write(at)
+        else:
+            self._write_pending = True
+
+    def _writer_woke(self, at: float, now: float) -> None:
+        if self._write_pending:
+            self._write_pending = False
+            self._write(at)
+        else:
+            self._writer_wake = None
+
+    def _write(self, at: float) -> None:
+        if len(self._cache) <= MAX_PERSISTED_FAULTS:
+            self._persisted = {key: _persisted_record(key, stored) for key, stored in self._cache.items()}
+        self._writer_wake = at + self._write_interval_s
+
+    def _reload(self, at: float, now: float) -> None:
+        self._reload_at = None
+        for key, rec in self._persisted.items():
+            fault = pb.Fault(faultId=rec["faultId"], faultType=rec["faultType"], faultCode=rec["faultCode"],
+                             faultTime=rec["faultTime"], assertion="occur",
+                             influence=[pb.PubFaultInfo(nodeName=rec["node"], deviceIds=rec["deviceIds"])])
+            self._add(fault, key, tuple(rec["deviceIds"]), math.floor(at), rec["level"])
+        self._writer_live = True
+        self._writer_woke(at, now)  # a notify that came before the reload is written now
+
+
+def _persisted_record(key: Key, stored: StoredFault) -> dict[str, Any]:
+    """The fields ClusterD keeps in its ConfigMap (no assertion, add time, location, description)."""
+    f = stored.fault
+    return {"node": key[0], "resource": key[1], "faultId": key[2], "faultType": f.faultType,
+            "faultCode": f.faultCode, "level": stored.level, "faultTime": f.faultTime,
+            "deviceIds": list(stored.device_ids)}
 
 
 def _valid_ms(value: int) -> bool:

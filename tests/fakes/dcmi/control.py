@@ -86,6 +86,10 @@ class FakeDcmiControl:
     def health(self, logic: int, value: int) -> None:
         self._command("health", logic, value)
 
+    def alarm_clock(self, unix_seconds: int) -> None:
+        """Alarm times from a broken clock: every event reports this time (0: the real clock again)."""
+        self._command("clock", unix_seconds)
+
     def stats(self) -> dict:
         """``{"subscribers": int, "calls": {function_name: count}}``."""
         result: dict = {"calls": {}}

@@ -42,6 +42,14 @@ _Static_assert(sizeof(struct dcmi_event) == 360, "dcmi_event size");
 
 enum { ASSERT_RECOVER = 0, ASSERT_OCCUR = 1, ASSERT_ONCE = 2 };
 
+/* "clock <seconds>": a driver whose alarm clock is broken reports this fixed time (0: the real clock). */
+static unsigned long long g_alarm_clock;
+
+static unsigned long long alarm_now(void)
+{
+    return g_alarm_clock ? g_alarm_clock : (unsigned long long)time(NULL);
+}
+
 struct active_code {
     unsigned int code;
     unsigned char severity;
@@ -712,7 +720,7 @@ static struct fn_ctl *find_fn(const char *name)
 
 static int cmd_occur(char **args, int nargs, char *msg, size_t cap)
 {
-    unsigned long long now = (unsigned long long)time(NULL);
+    unsigned long long now = alarm_now();
     unsigned char severity = 2;
     unsigned int code;
     int logic, emit = 1;
@@ -739,7 +747,7 @@ static int cmd_occur(char **args, int nargs, char *msg, size_t cap)
 
 static int cmd_recover(char **args, int nargs, char *msg, size_t cap)
 {
-    unsigned long long raised_at = (unsigned long long)time(NULL);
+    unsigned long long raised_at = alarm_now();
     unsigned char severity = 2;
     unsigned int code;
     int logic, emit = 1, i;
@@ -774,7 +782,7 @@ static int cmd_once(char **args, int nargs, char *msg, size_t cap)
     if (parse_target(args, &logic, &code, msg, cap) ||
         (nargs > 2 && parse_byte("severity", args[2], &severity, msg, cap)))
         return -1;
-    deliver(logic, code, ASSERT_ONCE, severity, (unsigned long long)time(NULL));
+    deliver(logic, code, ASSERT_ONCE, severity, alarm_now());
     return 0;
 }
 
@@ -788,7 +796,7 @@ static int cmd_event(char **args, int nargs, char *msg, size_t cap)
         parse_byte("assertion", args[2], &assertion, msg, cap) ||
         parse_byte("severity", args[3], &severity, msg, cap))
         return -1;
-    deliver(logic, code, assertion, severity, (unsigned long long)time(NULL));
+    deliver(logic, code, assertion, severity, alarm_now());
     return 0;
 }
 
@@ -865,6 +873,18 @@ static int cmd_health(char **args, int nargs, char *msg, size_t cap)
     return 0;
 }
 
+static int cmd_clock(char **args, int nargs, char *msg, size_t cap)
+{
+    long long seconds;
+
+    if (parse_int(args[0], 0, LLONG_MAX, &seconds))
+        return fail(msg, cap, "bad seconds '%s'", args[0]);
+    pthread_mutex_lock(&g_lock);
+    g_alarm_clock = (unsigned long long)seconds;
+    pthread_mutex_unlock(&g_lock);
+    return 0;
+}
+
 static int cmd_stats(char **args, int nargs, char *msg, size_t cap)
 {
     size_t n;
@@ -893,6 +913,7 @@ static const struct command {
     {"hang", 2, 2, "hang <function> <seconds>", cmd_hang},
     {"fail", 2, 2, "fail <function> <rc>", cmd_fail},
     {"health", 2, 2, "health <logic> <value>", cmd_health},
+    {"clock", 1, 1, "clock <unix-seconds, 0 = real>", cmd_clock},
     {"stats", 0, 0, "stats", cmd_stats},
 };
 
