@@ -150,13 +150,19 @@ class ClusterdSink:
                 backoff = min(BACKOFF_MAX_S, backoff * 2)
 
     async def _watch_channel(self) -> None:
-        """A connection to ClusterD that drops may be ClusterD restarting: re-assert when it is back."""
+        """A connection to ClusterD that drops may be ClusterD restarting: re-assert when it is back.
+
+        While ClusterD should hold faults of this node the channel is kept connected, so a restart
+        is noticed at once; otherwise it idles out (gRPC's idle timeout), as ClusterD admits only
+        1,024 connections for the whole cluster."""
         state = self._channel.get_state()
         while True:
             await self._channel.wait_for_state_change(state)
             new = self._channel.get_state()
             if state is grpc.ChannelConnectivity.READY and new is not grpc.ChannelConnectivity.READY:
                 self._reassert_soon("connection lost")
+            if new is grpc.ChannelConnectivity.IDLE and self._view.held:
+                new = self._channel.get_state(try_to_connect=True)
             state = new
 
     def _reassert_soon(self, why: str) -> None:
