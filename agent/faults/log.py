@@ -57,7 +57,13 @@ def _parse(line: bytes) -> dict:
     body = line[9:-1]
     if int(line[:8], 16) != zlib.crc32(body):
         raise ValueError("checksum mismatch")
-    return json.loads(body)
+    try:
+        record = json.loads(body)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    return record
 
 
 def _int(value) -> int:
@@ -135,7 +141,7 @@ class FaultLog:
             value = json.loads(path.read_text("utf-8"))
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             log.error("fault log metadata unreadable; ignored", extra={"path": str(path), "error": str(exc)})
             return {}
         if not isinstance(value, dict):
@@ -147,7 +153,12 @@ class FaultLog:
         if "sinks" not in saved:  # the first format: {sink: revision} in the log's epoch
             saved = {"sinks": {k: {"revision": v, "epoch": epoch} for k, v in saved.items()}}
         sinks = {}
-        for name, item in (saved.get("sinks") or {}).items():
+        items = saved.get("sinks")
+        if not isinstance(items, dict):
+            log.error("the sinks' cursors are malformed; every sink resynchronises its peer",
+                      extra={"path": str(self._dir / "cursors.json")})
+            items = {}
+        for name, item in items.items():
             try:
                 state = item.get("state")
                 sinks[name] = SinkEntry(int(item["revision"]), str(item["epoch"]),
@@ -167,7 +178,7 @@ class FaultLog:
                     try:
                         record = _parse(line)
                         self._apply(record)
-                    except (ValueError, KeyError, TypeError) as exc:
+                    except (ValueError, KeyError, TypeError, AttributeError) as exc:
                         size = self._path.stat().st_size
                         self.truncated_bytes = size - good
                         corrupt = line.endswith(b"\n")  # an unfinished write never reached anyone

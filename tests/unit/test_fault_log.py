@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 
 import pytest
 
@@ -184,3 +185,30 @@ def test_compaction_keeps_what_a_lagging_sink_still_needs(tmp_path):
     assert again.state_at(2500) == log.state_at(2500)
     assert again.latest() == log.latest()
     assert size < 200_000
+
+
+@pytest.mark.parametrize("body", [b"[1]", b"5", b"[" * 100_000 + b"]" * 100_000, b'{"rev": 2, "state": {"phy": []}}'])
+def test_a_record_of_the_wrong_shape_is_a_corrupt_record(tmp_path, body):
+    log = opened(tmp_path)
+    log.append([state(0)])
+    log.close()
+    with open(tmp_path / "faultlog" / "log", "ab") as handle:
+        handle.write(b"%08x %s\n" % (zlib.crc32(body), body))  # checksum right, content wrong
+    again = opened(tmp_path)
+    assert again.revision == 1 and any("corrupt record" in r for r in again.resets)
+
+
+@pytest.mark.parametrize("content", ['{"epoch": 7}', '{"epoch": ["x"]}', "[" * 100_000 + "]" * 100_000])
+def test_meta_of_the_wrong_shape_starts_a_new_epoch(tmp_path, content):
+    log = opened(tmp_path)
+    log.close()
+    (tmp_path / "faultlog" / "meta.json").write_text(content)
+    again = opened(tmp_path)
+    assert isinstance(again.epoch, str) and len(again.epoch) == 16
+
+
+def test_cursors_with_sinks_of_the_wrong_shape(tmp_path):
+    log = opened(tmp_path)
+    log.close()
+    (tmp_path / "faultlog" / "cursors.json").write_text('{"epoch": "x", "sinks": 5}')
+    assert opened(tmp_path).cursor("clusterd") is None
