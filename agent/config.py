@@ -75,8 +75,9 @@ class ClusterdConfig:
     public_codes: dict[str, str] = field(default_factory=_default_public_codes)
     # Re-send the public faults ClusterD should hold (and the recent recovers it should not) this
     # often, for a ClusterD that restarted without this agent noticing (behind a proxy). One request
-    # per node with faults; nothing at all from a node without.
-    reconcile_interval_seconds: float = 300.0
+    # per 100 faults (held, or recovered in the last 10 minutes), nothing from a node without;
+    # ClusterD's budget of 1 request/s is shared by every node of the cluster.
+    reconcile_interval_seconds: float = 1800.0
 
 
 @dataclass

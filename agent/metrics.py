@@ -97,8 +97,14 @@ class AgentCollector:
             restarts = CounterMetricFamily("npu_agent_task_restarts_total",
                                            "Background tasks restarted after an unexpected error", labels=["node", "task"])
             restarts.add_metric([node, "clusterd"], clusterd[0].crashes)
+            unsent = CounterMetricFamily(
+                "npu_agent_clusterd_unsent_occurrences_total",
+                "Public fault occurrences that began and ended while waiting to be sent, so never sent",
+                labels=["node"])
+            unsent.add_metric([node], clusterd[0].unsent)
             yield held
             yield reconciles
+            yield unsent
             yield restarts
         writes = CounterMetricFamily("npu_agent_state_write_failures_total",
                                      "Failed writes of state the agent keeps on disk (retried with backoff)",

@@ -125,7 +125,8 @@ def build_agent(config: Config, backend: DeviceBackend | None = None,
     grpc_server = GrpcServer(config.grpc.listen, hub, pods_of)
     sinks = []
     if config.clusterd.enabled:
-        clusterd = ClusterdSink(config.clusterd, config.node_name, fault_log, clock, pods_of)
+        clusterd = ClusterdSink(config.clusterd, config.node_name, fault_log, clock, pods_of,
+                                devices_known=lambda: monitor.polled_once)
         faults.listeners.append(clusterd.notify)
         sinks.append(clusterd)
     if config.kubernetes.enabled and config.kubernetes.device_info_configmap:

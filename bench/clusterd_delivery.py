@@ -36,8 +36,10 @@ and its delete queue holds no entry of this node.
    times, the set changed between trials. Baseline, same run: what an operator had before the
    agent re-asserted on its own — the same ClusterD restart, then the agent restarted (SIGTERM +
    start; the fake driver, which lives in the agent process, is given its faults again at once).
-   Also one restart behind a proxy (`forget_all()`: the connection stays up) with
-   reconcile_interval_seconds `--reconcile-interval`, repaired by the periodic re-assertion.
+   Also `--down-trials` restarts after `--downtime` s down, timed from when ClusterD serves again
+   (the agent's gRPC reconnection backoff is in that time), and one restart behind a proxy
+   (`forget_all()`: the connection stays up) with reconcile_interval_seconds
+   `--reconcile-interval`, repaired by the periodic re-assertion.
 5. Requests spent on reconciliation: `--window` s with no fault change, reconcile_interval_seconds
    `--reconcile-interval` (its minimum, 30): requests the stand-in received (all re-assertions;
    cross-checked with npu_agent_clusterd_reconciles_total), per hour, projected linearly to the
@@ -72,6 +74,7 @@ import psutil
 from agent._proto import npu_agent_faults_pb2 as pb
 from agent._proto import npu_agent_faults_pb2_grpc as pb_grpc
 from agent.config import ClusterdConfig
+from agent.faults.clusterd import FOLLOW_UP_S
 from bench.fault_latency import fmt, metric_or_none, percentile, read_trace, summary
 from tests.fakes.clusterd import ClusterdStandIn
 from tests.fakes.dcmi import FakeDcmiControl, build_fake_dcmi
@@ -95,8 +98,11 @@ AGENT_REQUEST_BURST = 2  # the agent's own ClusterD request budget: 1/s, burst 2
 CLUSTERD_BURST = 100  # ClusterD's per-resource bucket: 1/s, burst 100
 CLUSTERD_BUDGET_PER_H = 3600  # that bucket's sustained rate, for the whole cluster
 MAX_FAULTS = 100  # faults per request
-RECOVERED_KEEP_S = 600  # the agent re-asserts a recover for this long after it
 RESTART_GOAL_S = 5.0  # phase 4: the issue's goal
+RESTART_TAIL_S = 4.0  # phase 4: requests counted this long after convergence (two re-assertions of 2 requests)
+# An agent re-asserts once more FOLLOW_UP_S (plus a spread) after it starts: steady state only after that.
+START_SETTLE_S = FOLLOW_UP_S + 15.0
+REFERENCE_RECONCILE_S = 300.0  # phase 5 also projects to this interval
 RECONCILE_GOAL_PCT = 1.0  # phase 5: per node with faults, at the default interval
 
 
@@ -114,6 +120,10 @@ def held_set(standin: ClusterdStandIn) -> set[tuple[int, str]]:
 def node_queue(standin: ClusterdStandIn) -> list:
     """The stand-in's pending deletions of this node's keys."""
     return [entry for entry in standin.queue() if entry[1][0] == NODE]
+
+
+def node_fault_ids(standin: ClusterdStandIn) -> set[str]:
+    return {fid for node, _, fid in standin.active() if node == NODE}
 
 
 def consistent(standin: ClusterdStandIn, want: set[tuple[int, str]]) -> bool:
@@ -362,6 +372,7 @@ class Node:
         self.fake: FakeDcmiControl | None = None
         self.watcher: Watcher | None = None
         self.reconcile: float | None = None
+        self.started_at = 0.0  # monotonic
 
     def _config(self) -> dict:
         clusterd = {"enabled": True, "address": f"127.0.0.1:{self.standin.port}"}
@@ -378,6 +389,7 @@ class Node:
         if reconcile is not None:
             self.reconcile = reconcile
         self.agent = AgentProcess(self.dir / "agent", self._config(), self.env)
+        self.started_at = time.monotonic()
         injected: list = []
         injector = None
         if faults:
@@ -764,28 +776,48 @@ def requests_between(standin: ClusterdStandIn, since: int, t0: float, t1: float)
     return [r for r in standin.requests[since:] if t0 <= r.at <= t1]
 
 
-def restart_trials(args, node: Node, faults: FaultSet) -> dict:
-    """ClusterD restarts without its ConfigMap; the agent keeps running."""
+def unavailable_count(agent: AgentProcess) -> float:
+    return metric_or_none(agent, "npu_agent_fault_reports_total", sink="clusterd", result="unavailable") or 0
+
+
+def restart_trial(args, node: Node, faults: FaultSet, downtime: float = 0.0) -> dict:
+    """ClusterD restarts without its ConfigMap (after `downtime` s down); the agent keeps running.
+    Timed from when ClusterD serves again."""
     standin = node.standin
-    trials = []
+    want = settle(node, faults)
+    mark = len(standin.requests)
+    failed0 = unavailable_count(node.agent)
+    if downtime:
+        standin.stop()
+        time.sleep(downtime)
+    t0 = time.time()
+    standin.restart(persisted=False)
+    poll = FirstEqual(standin, want, t0, args.restart_timeout)
+    poll.start()
+    took = poll.result()
+    until = (time.time() if took is None else t0 + took) + RESTART_TAIL_S
+    time.sleep(max(0.0, until - time.time()))  # what else the restart made the agent send
+    sent = requests_between(standin, mark, t0, until)
+    refused = int(unavailable_count(node.agent) - failed0)
+    print(f"    {f'down {downtime:g} s, ' if downtime else ''}{len(want)} faults: "
+          f"{'not converged' if took is None else fmt(took)}; {len(sent)} requests "
+          f"({sum(len(r.request.faults) for r in sent)} faults) up to {RESTART_TAIL_S:g} s after; "
+          f"{refused} calls failed while ClusterD was away")
+    return {"took": took, "faults": len(want), "requests": len(sent),
+            "carried": sum(len(r.request.faults) for r in sent), "refused": refused}
+
+
+def restart_trials(args, node: Node, faults: FaultSet) -> dict:
     reasons0 = reconciles(node.agent)
+    trials, down = [], []
     for trial in range(args.trials):
         if trial:
             faults.rotate(node.fake)
-        want = settle(node, faults)
-        mark = len(standin.requests)
-        t0 = time.time()
-        standin.restart(persisted=False)
-        poll = FirstEqual(standin, want, t0, args.restart_timeout)
-        poll.start()
-        took = poll.result()
-        time.sleep(2.0)  # what else the restart made the agent send
-        sent = requests_between(standin, mark, t0, time.time())
-        trials.append({"took": took, "faults": len(want), "requests": len(sent),
-                       "carried": sum(len(r.request.faults) for r in sent)})
-        print(f"    trial {trial + 1}: {len(want)} faults, "
-              f"{'not converged' if took is None else fmt(took)}; {len(sent)} requests in the 2 s after")
-    return {"trials": trials, "reasons": reconciles(node.agent) - reasons0}
+        trials.append(restart_trial(args, node, faults))
+    for _ in range(args.down_trials):
+        faults.rotate(node.fake)
+        down.append(restart_trial(args, node, faults, args.downtime))
+    return {"trials": trials, "down": down, "reasons": reconciles(node.agent) - reasons0}
 
 
 def baseline_trials(args, node: Node, faults: FaultSet) -> list[dict]:
@@ -798,7 +830,7 @@ def baseline_trials(args, node: Node, faults: FaultSet) -> list[dict]:
     for trial in range(args.baseline_trials):
         faults.rotate(node.fake)
         want = settle(node, faults)
-        mark = len(standin.requests)
+        ids = node_fault_ids(standin)
         stopping = node.stop()
         t0 = time.time()
         standin.restart(persisted=False)
@@ -809,13 +841,12 @@ def baseline_trials(args, node: Node, faults: FaultSet) -> list[dict]:
         settle(node, faults, timeout=60)
         # A driver that had not got its faults back by the restarted agent's first look makes it recover
         # the held faults and occur them anew (new faultIds): the harness's doing, not the product's.
-        recovers = sum(1 for r in standin.requests[mark:] if r.code == 0 for f in r.request.faults
-                       if f.assertion == "recover" and (f.influence[0].deviceIds[0], f.faultCode) in want)
+        renewed = len(node_fault_ids(standin) - ids)
         total = None if took is None else stopping + took
-        trials.append({"took": total, "stop": stopping, "after": took, "recovers": recovers})
+        trials.append({"took": total, "stop": stopping, "after": took, "renewed": renewed})
         print(f"    baseline trial {trial + 1}: SIGTERM -> exit {stopping:.2f} s + ClusterD restart -> equal "
               f"{'never' if took is None else f'{took:.2f} s'}"
-              + (f" ({recovers} of the held faults recovered and occurred anew across the restart)" if recovers else ""))
+              + (f" ({renewed} faults occurred anew across the agent restart)" if renewed else ""))
     return trials
 
 
@@ -832,6 +863,7 @@ def behind_proxy_trial(args, node: Node, faults: FaultSet) -> dict:
     poll = FirstEqual(standin, want, t0, args.reconcile_interval * 1.1 + 15)
     poll.start()
     took = poll.result()
+    time.sleep(RESTART_TAIL_S)  # a re-assertion of more than 100 faults is counted after its last request
     sent = requests_between(standin, mark, t0, time.time())
     reasons = reconciles(node.agent) - reasons0
     print(f"    forget_all: {'not repaired' if took is None else f'repaired after {took:.2f} s'} "
@@ -993,25 +1025,31 @@ def report_restart(args, p4: dict) -> None:
     print()
     print(f"== 4. convergence after a ClusterD restart without its saved faults ({args.faulty} faulty devices, "
           f"{min(args.faulty, len(MIX))} public codes) ==")
-    new = [t["took"] for t in p4["trials"]["trials"]]
+    trials, down = p4["trials"]["trials"], p4["trials"]["down"]
+    new = [t["took"] for t in trials]
     done = [t for t in new if t is not None]
     base = [t["took"] for t in p4["baseline"]]
     base_done = [t for t in base if t is not None]
-    print(f"{'ClusterD restart -> holds the agent set':44} {'n':>5} {'p50':>11} {'max':>11} {'not converged':>14}")
+    print(f"{'ClusterD restart -> holds the agent set':52} {'n':>3} {'p50':>11} {'max':>11} {'not converged':>14}")
     rows = [("agent running (re-asserts on its own)", new),
             ("baseline: agent restarted by hand at once", base)]
+    if down:
+        rows.append((f"agent running, ClusterD down {args.downtime:g} s (from serving)", [t["took"] for t in down]))
     for name, values in rows:
         ok = [v for v in values if v is not None]
-        print(f"{name:44} {len(values):>5} {fmt(percentile(ok, 50)) if ok else '-':>11} "
+        print(f"{name:52} {len(values):>3} {fmt(percentile(ok, 50)) if ok else '-':>11} "
               f"{fmt(max(ok)) if ok else '-':>11} {len(values) - len(ok):>14}")
-    trials = p4["trials"]["trials"]
+    slow = [t for t in trials if t["refused"]]
     print(f"agent running: {sum(t['requests'] for t in trials)} requests ({sum(t['carried'] for t in trials)} faults) "
-          f"in the 2 s after the {len(trials)} restarts; re-assertions over the trials: "
-          f"{by_reason(p4['trials']['reasons'])}")
+          f"up to {RESTART_TAIL_S:g} s after convergence, {len(trials)} restarts; in {len(slow)} of them a call "
+          f"failed (ClusterD not listening yet) and waited for the reconnection; re-assertions over the trials "
+          f"(the down ones included): {by_reason(p4['trials']['reasons'])}")
     if p4["baseline"]:
         stops = [t["stop"] for t in p4["baseline"]]
+        renewed = sum(t["renewed"] for t in p4["baseline"])
         print(f"baseline: SIGTERM -> exit {min(stops):.2f}..{max(stops):.2f} s included; an operator's delay in "
-              f"noticing the restart is not (the baseline is a lower bound)")
+              f"noticing the restart is not (the baseline is a lower bound)"
+              + (f"; {renewed} faults occurred anew across the agent restarts" if renewed else ""))
     proxy = p4.get("proxy")
     if proxy is not None:
         took = "not repaired" if proxy["took"] is None else f"repaired after {proxy['took']:.1f} s"
@@ -1021,7 +1059,7 @@ def report_restart(args, p4: dict) -> None:
               f"{DEFAULT_RECONCILE_S * 1.1:.0f} s (no target)")
     if done and len(done) == len(new):
         worst = max(done)
-        ratio_text = (f"baseline/agent p50 {ratio(percentile(base_done, 50), percentile(done, 50), 1)}"
+        ratio_text = (f"baseline/agent p50 {ratio(percentile(base_done, 50), percentile(done, 50), 2)}"
                       if base_done else "no baseline")
         print(f"convergence after a ClusterD restart: p50 {fmt(percentile(done, 50))}, max {fmt(worst)} "
               f"({ratio_text}); goal < {RESTART_GOAL_S:g} s: {'PASS' if worst < RESTART_GOAL_S else 'FAIL'}")
@@ -1035,19 +1073,21 @@ def report_reconcile(args, rows: list[dict]) -> None:
     window = rows[0]["window"] if rows else args.window
     print(f"== 5. requests spent on reconciliation (reconcile_interval_seconds {args.reconcile_interval:g}, "
           f"{window:.0f} s window, no fault changes) ==")
-    scale = args.reconcile_interval / DEFAULT_RECONCILE_S
-    print(f"{'node':44} {'held':>5} {'requests':>9} {'re-assert':>10} {'faults':>13} {'/h @' + f'{args.reconcile_interval:g}s':>9} "
-          f"{'/h @' + f'{DEFAULT_RECONCILE_S:g}s':>9} {'of 3600/h':>10}")
+    # Projected linearly to 300 s and to the agent's default interval (if that is another one).
+    intervals = sorted({REFERENCE_RECONCILE_S, DEFAULT_RECONCILE_S})
+    heads = [f"/h @{args.reconcile_interval:g}s"] + [f"/h @{i:g}s" for i in intervals]
+    print(f"{'node':44} {'held':>5} {'requests':>9} {'re-assert':>10} {'faults':>10} "
+          + " ".join(f"{h:>9}" for h in heads) + f" {'of 3600/h @default':>19}")
     worst = 0.0
     with_faults = 0
     for row in rows:
         per_hour = row["requests"] / row["window"] * 3600
-        projected = per_hour * scale
-        share = projected / CLUSTERD_BUDGET_PER_H * 100
+        projected = [per_hour * args.reconcile_interval / i for i in intervals]
+        share = per_hour * args.reconcile_interval / DEFAULT_RECONCILE_S / CLUSTERD_BUDGET_PER_H * 100
         held = "-" if row["held"] is None else f"{int(row['held'])}"
         faults = f"{row['occurs']}o+{row['recovers']}r"
-        print(f"{row['name']:44} {held:>5} {row['requests']:>9} {row['reassertions']:>10} {faults:>13} "
-              f"{per_hour:>9.1f} {projected:>9.1f} {share:>9.2f}%")
+        print(f"{row['name']:44} {held:>5} {row['requests']:>9} {row['reassertions']:>10} {faults:>10} "
+              + " ".join(f"{v:>9.1f}" for v in [per_hour, *projected]) + f" {share:>18.2f}%")
         if row["held"]:
             with_faults += 1
             worst = max(worst, share)
@@ -1064,16 +1104,16 @@ def report_reconcile(args, rows: list[dict]) -> None:
             problems.append("requests without a counted re-assertion")
         print(f"  {row['name']}: re-assertions {by_reason(row['reasons'])}"
               + (f"; {'; '.join(problems)}" if problems else ""))
-    quiet = [r for r in rows if not r["held"] and not r["recovers"]]
-    for row in quiet:
-        print(f"a node that never had a fault: {row['requests']} requests in {row['window']:.0f} s")
+    for row in rows:
+        if not row["held"] and not row["recovers"]:
+            print(f"a node that never had a fault: {row['requests']} requests in {row['window']:.0f} s")
     print(f"baseline: ClusterD's per-resource budget, {CLUSTERD_BUDGET_PER_H} requests/h (1/s, shared by the whole "
-          f"cluster); at the default {DEFAULT_RECONCILE_S:g} s (linear: x {args.reconcile_interval:g}/"
-          f"{DEFAULT_RECONCILE_S:g}) the worst node with faults costs {worst:.2f} % of it, i.e. about "
-          f"{int(100 / worst) if worst else 'any number of'} such nodes use the whole budget")
+          f"cluster); at the agent's default reconcile_interval_seconds {DEFAULT_RECONCILE_S:g} (linear: x "
+          f"{args.reconcile_interval:g}/{DEFAULT_RECONCILE_S:g}) the worst node with faults costs {worst:.2f} % of it, "
+          f"i.e. about {int(100 / worst) if worst else 'any number of'} such nodes use the whole budget")
     if with_faults:
-        print(f"reconciliation at the default interval: {worst:.2f} % of the budget per node with faults; goal <= "
-              f"{RECONCILE_GOAL_PCT:g} %: {'PASS' if worst <= RECONCILE_GOAL_PCT else 'FAIL'}")
+        print(f"reconciliation at the default interval ({DEFAULT_RECONCILE_S:g} s): {worst:.2f} % of the budget "
+              f"per node with faults; goal <= {RECONCILE_GOAL_PCT:g} %: {'PASS' if worst <= RECONCILE_GOAL_PCT else 'FAIL'}")
     else:
         print("reconciliation: no node held faults in the window: FAIL")
 
@@ -1114,6 +1154,10 @@ def parse_args(argv):
     parser.add_argument("--trials", type=int, default=5, help="phase 4: ClusterD restarts (default 5)")
     parser.add_argument("--baseline-trials", type=int, default=3,
                         help="phase 4: ClusterD restarts followed by an agent restart (default 3)")
+    parser.add_argument("--down-trials", type=int, default=2,
+                        help="phase 4: ClusterD restarts after --downtime s down, timed from serving again "
+                             "(default 2)")
+    parser.add_argument("--downtime", type=float, default=10.0, help="phase 4: seconds down (default 10)")
     parser.add_argument("--restart-timeout", type=float, default=60.0,
                         help="phase 4: give a trial up after this long (default 60)")
     parser.add_argument("--reconcile-interval", type=float, default=MIN_RECONCILE_S,
@@ -1140,8 +1184,10 @@ def parse_args(argv):
         parser.error("--poll-interval at least 0.2; rates and --subscribers positive")
     if not 1 <= args.faulty < args.cards:
         parser.error("--faulty must be 1..--cards - 1 (a healthy device is needed to change the set)")
-    if args.trials < 1 or args.baseline_trials < 0 or args.restart_timeout <= 0 or args.window <= 0:
-        parser.error("--trials at least 1, --baseline-trials at least 0, --restart-timeout and --window positive")
+    if (args.trials < 1 or args.baseline_trials < 0 or args.down_trials < 0 or args.downtime < 0
+            or args.restart_timeout <= 0 or args.window <= 0):
+        parser.error("--trials at least 1, --baseline-trials and --down-trials at least 0, --downtime not negative, "
+                     "--restart-timeout and --window positive")
     if not MIN_RECONCILE_S <= args.reconcile_interval <= 86400:
         parser.error(f"--reconcile-interval must be {MIN_RECONCILE_S:g}..86400 (the agent's range)")
     # Phase 3 runs twice (1 and N subscribers) on the event budget; once events over it are lost.
@@ -1210,6 +1256,7 @@ def main(argv=None) -> int:
             node.stop()
             node.start(faults=dict(faults.codes), reconcile=args.reconcile_interval)
             settle(node, faults, timeout=60)
+            nodes = [node]
             if 5 in args.phases:
                 fresh_standin, quiet_standin = ClusterdStandIn().start(), ClusterdStandIn().start()
                 standins += [fresh_standin, quiet_standin]
@@ -1221,6 +1268,10 @@ def main(argv=None) -> int:
                 quiet.start(reconcile=args.reconcile_interval)
                 fresh_faults = FaultSet(args.cards, args.faulty)
                 fresh_faults.inject(fresh.fake)
+                nodes += [fresh, quiet]
+            wait = max(n.started_at for n in nodes) + START_SETTLE_S - time.monotonic()
+            print(f"  waiting {wait:.0f} s for the re-assertion that follows an agent's start to pass")
+            time.sleep(max(0.0, wait))
             if 4 in args.phases:
                 print("phase 4: a ClusterD restart behind a proxy (forget_all), repaired by the periodic "
                       "re-assertion")

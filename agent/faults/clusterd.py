@@ -51,14 +51,19 @@ CALL_DEADLINE_S = 5.0
 REQUESTS_PER_S, REQUEST_BURST = 1.0, 2
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 30.0
 FOLLOW_UP_S = 30.0  # ClusterD reloads its saved cache only after it serves; requests before may be undone
+# Every node notices a ClusterD restart at the same moment, and the new process has a burst of 100
+# requests for the whole cluster: spread the re-assertions (and their follow-ups) a little.
+REASSERT_SPREAD_S = 1.0
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),  # ClusterD answers pings more often than every 3 s with GOAWAY
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_send_message_length", 4 * 1024 * 1024),
-    ("grpc.initial_reconnect_backoff_ms", 1_000),
-    ("grpc.max_reconnect_backoff_ms", 5_000),  # notice a returning ClusterD within seconds
+    # Notice a returning ClusterD within a second or two (one connection: the attempts cost nothing).
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 
 
@@ -66,8 +71,10 @@ class ClusterdSink:
     name = SINK
 
     def __init__(self, config: ClusterdConfig, node: str, fault_log: FaultLog,
-                 clock: Callable[[], float] = time.time, pods_of: PodsOf = no_pods):
+                 clock: Callable[[], float] = time.time, pods_of: PodsOf = no_pods,
+                 devices_known: Callable[[], bool] = lambda: True):
         self._config = config
+        self._devices_known = devices_known  # the first poll is done: the log's latest states are current
         self._pods_of = pods_of  # who holds an NPU when its fault is sent (kubelet attribution)
         self._node = node
         self._log = fault_log
@@ -82,13 +89,15 @@ class ClusterdSink:
         self._save_at: float | None = None  # monotonic time of the next attempt to save the cursor
         self._reassert_at = 0.0  # monotonic
         self._reassert_why = "start"
-        self._follow_up = False
+        self._follow_up = True  # a request of the previous run may land after the first re-assertion
         self._failed_call = False  # since the last success: a request that failed may still land
         self._crash = ""
         self._first_run = True
+        self._in_flight: asyncio.Future | None = None
         self.writes = WriteRetry("ClusterD sink's cursor")
         self.counters: Counter[str] = Counter()  # requests by result
         self.reconciles: Counter[str] = Counter()  # re-assertions that sent something, by reason
+        self.unsent = 0  # occurrences over before they could be sent (clusterd_batch.plan)
         self.crashes = 0
         self.last_success = 0.0
 
@@ -102,6 +111,10 @@ class ClusterdSink:
                                            name="clusterd-connection")]
 
     async def stop(self) -> None:
+        # A clean stop leaves no request in flight (the next start relies on it): let the one on its
+        # way finish, within its deadline, before the tasks go.
+        if self._in_flight is not None and not self._in_flight.done():
+            await asyncio.wait([self._in_flight], timeout=CALL_DEADLINE_S)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -166,7 +179,10 @@ class ClusterdSink:
             state = new
 
     def _reassert_soon(self, why: str) -> None:
-        self._reassert_at, self._reassert_why, self._follow_up = time.monotonic(), why, True
+        at = time.monotonic() + random.uniform(0, REASSERT_SPREAD_S)
+        if at < self._reassert_at:
+            self._reassert_at, self._reassert_why = at, why
+        self._follow_up = True
         self._wakeup.set()
 
     # ---- delivery -----------------------------------------------------------------------------
@@ -178,6 +194,8 @@ class ClusterdSink:
             self._first_run = False
             await self._let_previous_requests_land()
         if self._cursor is None:
+            while not self._devices_known():  # resynchronise to the devices' state now, not the log's
+                await asyncio.sleep(0.05)
             await self._resync("no usable cursor in this fault log epoch")
         while True:
             self._wakeup.clear()
@@ -197,16 +215,30 @@ class ClusterdSink:
 
     def _restore(self) -> None:
         saved = self._log.sink_state(SINK)
+        self._cursor = self._log.cursor(SINK)
         try:
-            self._view = ClusterdView.from_dict(saved) if saved is not None else ClusterdView()
+            self._view = ClusterdView.from_dict(saved) if saved is not None else self._legacy_view()
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             log.error("the clusterd sink's saved view is malformed; starting without it (faults ClusterD holds "
                       "from before may stay there)", extra={"error": str(exc)})
-            self._view = ClusterdView()
-        self._cursor = self._log.cursor(SINK)
+            self._view, self._cursor = ClusterdView(), None
+        if self._view.resyncing:
+            self._cursor = None  # the previous run died in the middle of a resync: do it again
+        if saved is None and self._cursor is None:
+            self._follow_up = False  # no previous run of this sink: nothing of it can still be in flight
         log.info("clusterd sink starting", extra={
             "address": self._config.address, "resource": self._config.resource, "cursor": self._cursor,
             "pending": self.pending, "held": len(self._view.held), "recently_recovered": len(self._view.recovered)})
+
+    def _legacy_view(self) -> ClusterdView:
+        """A cursor saved without a view (an agent from before keys were per occurrence): ClusterD holds
+        the faults of the cursor's state under the old keys. Resynchronise, which recovers them."""
+        states = self._log.state_at(self._cursor) if self._cursor is not None else None
+        self._cursor = None
+        held: dict[str, PublicFault] = {}
+        for state in (states or {}).values():
+            held.update(public_faults(self._node, state, self._config.public_codes, legacy=True))
+        return ClusterdView(held=held)
 
     async def _deliver_once(self) -> bool:
         """Send the next batch; True when more is pending."""
@@ -217,6 +249,10 @@ class ClusterdSink:
         if not changes:
             return False
         step = plan(self._view.held, self._cursor, changes, self._wanted)
+        if step.unsent:
+            self.unsent += step.unsent
+            log.info("fault occurrences that began and ended before they could be sent; not sent", extra={
+                "occurrences": step.unsent})
         if step.transitions:
             await self._send(step.transitions)
         self._acknowledged(step.transitions, step.held, step.last_revision)
@@ -228,11 +264,16 @@ class ClusterdSink:
         items, target = resync(self._view.held, wanted)
         log.info("clusterd sink resynchronising ClusterD from the current state", extra={
             "reason": why, "revision": revision, "held": len(self._view.held), "now": len(target)})
+        self._view = ClusterdView({**self._view.held, **target}, self._view.recovered, resyncing=True)
+        self._cursor = revision
+        self._save()  # first: what may be held once these requests went out
         for chunk in requests(items):
             await self._send(chunk)
         if items:
             self.reconciles["resync"] += 1
         self._acknowledged(items, target, revision)
+        if self._reassert_why == "start":
+            self._next_reassertion()  # the resync was the start's re-assertion
 
     def _acknowledged(self, sent: list[Transition], held: dict[str, PublicFault], revision: int) -> None:
         self._view = self._view.acknowledged(sent, held, int(self._clock() * 1000))
@@ -248,14 +289,17 @@ class ClusterdSink:
         self._save_at = None
         self.writes.succeeded()
 
-    async def _reassert(self) -> None:
-        why = self._reassert_why
+    def _next_reassertion(self) -> None:
         if self._follow_up:
             self._follow_up, self._reassert_why = False, "follow-up"
-            self._reassert_at = time.monotonic() + FOLLOW_UP_S
+            self._reassert_at = time.monotonic() + FOLLOW_UP_S + random.uniform(0, 3 * REASSERT_SPREAD_S)
         else:
             self._reassert_why = "periodic"
             self._reassert_at = time.monotonic() + self._config.reconcile_interval_seconds * random.uniform(0.9, 1.1)
+
+    async def _reassert(self) -> None:
+        why = self._reassert_why
+        self._next_reassertion()
         items = reassertion(self._view)
         if not items:
             return
@@ -266,17 +310,14 @@ class ClusterdSink:
         self.reconciles[why] += 1
 
     async def _let_previous_requests_land(self) -> None:
-        """A previous run that died in the middle of a send may have left its request in flight, and
-        ClusterD applies a request whatever the client's deadline: wait until that deadline has
-        passed, so the stale request cannot land after (and undo) this run's first one."""
-        if not self.pending:
+        """A previous run that died (not a clean stop) may have left a request in flight, and ClusterD
+        applies a request whatever the client's deadline: wait until that deadline has passed, so the
+        stale request cannot land after (and undo) this run's first one."""
+        if self._log.previous_clean or (self._log.sink_state(SINK) is None and self._cursor is None):
             return
-        last = max(self._log.previous_append_at or 0.0, self._log.previous_commit_at or 0.0)
-        hold = min(CALL_DEADLINE_S + 0.5, last + CALL_DEADLINE_S + 0.5 - time.time())
-        if hold > 0:
-            log.info("holding the first request until the previous run's last one has expired",
-                     extra={"seconds": round(hold, 2)})
-            await asyncio.sleep(hold)
+        log.info("holding the first request until the previous run's last one has expired",
+                 extra={"seconds": CALL_DEADLINE_S + 0.5})
+        await asyncio.sleep(CALL_DEADLINE_S + 0.5)
 
     def _wanted(self, change: Change) -> dict[str, PublicFault]:
         return public_faults(self._node, change.state, self._config.public_codes)
@@ -284,9 +325,11 @@ class ClusterdSink:
     async def _send(self, batch: list[Transition]) -> None:
         """Until ClusterD answered 0 (or refused the request as invalid: a bug, logged)."""
         faults = []
+        codes = frozenset(self._config.public_codes.values())
         for assertion, fault in batch:
             message = to_message(self._node, assertion, fault, self._pods_of(fault.device))
-            problems = fault_problems(message, frozenset(self._config.public_codes.values()))
+            # (a recover carries the code it was raised with, which the configuration may no longer list)
+            problems = fault_problems(message, codes if assertion == "occur" else None)
             if problems:
                 self.counters["invalid"] += 1
                 log.error("public fault fails ClusterD's rules; not sent", extra={
@@ -303,11 +346,12 @@ class ClusterdSink:
             request = pb.PublicFaultRequest(id=str(uuid.uuid4()), timestamp=now_ms, version="1.0",
                                             resource=self._config.resource, faults=faults)
             problems = request_problems(request)
-            if problems:  # cannot happen for what this module builds; never send what ClusterD would refuse
+            # Only the node's clock can make it invalid (before 2025): wait for it rather than lose the request.
+            outcome = "invalid" if problems else await self._call(request)
+            if problems:
                 self.counters["invalid"] += 1
-                log.error("request fails ClusterD's rules; not sent", extra={"problems": problems})
-                return
-            outcome = await self._call(request)
+                self._log_transition("request fails ClusterD's rules (the node's clock?); retrying", code="invalid",
+                                     details="; ".join(problems))
             if outcome == "sent":
                 self.last_success = self._clock()
                 if self._failed_call:  # what failed may land late, or ClusterD may have restarted meanwhile
@@ -319,7 +363,6 @@ class ClusterdSink:
             attempt += 1
             backoff = random.uniform(0.5, min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** attempt))
             if outcome == "failed":
-                self._failed_call = True
                 if self._channel.get_state() is not grpc.ChannelConnectivity.READY:
                     await self._sleep_until_connected(backoff)
                     continue
@@ -338,11 +381,18 @@ class ClusterdSink:
             pass
 
     async def _call(self, request: pb.PublicFaultRequest) -> str:
+        self._in_flight = asyncio.ensure_future(self._stub.SendPublicFault(request, timeout=CALL_DEADLINE_S))
         try:
-            reply = await self._stub.SendPublicFault(request, timeout=CALL_DEADLINE_S)
+            reply = await asyncio.shield(self._in_flight)  # stop() waits for it rather than cancelling it
         except grpc.aio.AioRpcError as exc:
             self.counters["unavailable"] += 1
             self._log_transition("clusterd unreachable; retrying", code=exc.code().name, details=exc.details())
+            # A request that reached ClusterD and got no answer may still be applied, later than what
+            # follows it. (A refused connection, or ClusterD's "qps exceeded", applied nothing; a
+            # connection that broke mid-call is noticed by the connection watch.)
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED or (
+                    exc.code() is grpc.StatusCode.UNKNOWN and "qps exceeded" not in (exc.details() or "")):
+                self._failed_call = True
             return "failed"
         if reply.code == 0:
             self.counters["sent"] += 1

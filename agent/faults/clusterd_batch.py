@@ -31,6 +31,10 @@ Transition = tuple[str, PublicFault]  # ("occur" | "recover", fault)
 class ClusterdView:
     held: dict[str, PublicFault] = field(default_factory=dict)  # faultId -> fault
     recovered: dict[str, tuple[PublicFault, int]] = field(default_factory=dict)  # faultId -> (fault, acked at ms)
+    # Saved before a resync is sent, with `held` including its occurs: a run that dies before the
+    # answer cannot redo the same resync (the state it came from is gone), so the next one resyncs
+    # again from a view that counts those occurs as possibly held, and recovers what is not wanted.
+    resyncing: bool = False
 
     def acknowledged(self, sent: list[Transition], held: dict[str, PublicFault], now_ms: int) -> "ClusterdView":
         """The view once ClusterD answered 0 to `sent`, which left it holding `held`."""
@@ -43,14 +47,16 @@ class ClusterdView:
 
     def to_dict(self) -> dict:
         return {"held": [f.to_dict() for f in self.held.values()],
-                "recovered": [[f.to_dict(), at] for f, at in self.recovered.values()]}
+                "recovered": [[f.to_dict(), at] for f, at in self.recovered.values()],
+                **({"resyncing": True} if self.resyncing else {})}
 
     @classmethod
     def from_dict(cls, item: dict) -> "ClusterdView":
         """KeyError/TypeError/ValueError on a malformed state."""
         held = [PublicFault.from_dict(f) for f in item["held"]]
         recovered = [(PublicFault.from_dict(f), int(at)) for f, at in item["recovered"]]
-        return cls({f.fault_id: f for f in held}, {f.fault_id: (f, at) for f, at in recovered})
+        return cls({f.fault_id: f for f in held}, {f.fault_id: (f, at) for f, at in recovered},
+                   item.get("resyncing") is True)
 
 
 @dataclass
@@ -58,6 +64,7 @@ class Plan:
     transitions: list[Transition]  # the request's faults, in order
     last_revision: int  # the cursor once ClusterD acknowledged them
     held: dict[str, PublicFault]  # what ClusterD holds then
+    unsent: int = 0  # occurrences that began and ended before they could be sent (see plan)
 
 
 def transitions(held: dict[str, PublicFault], device: int, wanted: dict[str, PublicFault]) -> list[Transition]:
@@ -69,22 +76,37 @@ def transitions(held: dict[str, PublicFault], device: int, wanted: dict[str, Pub
 
 def plan(held: dict[str, PublicFault], cursor: int, changes: Iterable[Change],
          wanted_of: Callable[[Change], dict[str, PublicFault]]) -> Plan:
-    """The next request after `cursor`: at most 100 transitions, whole changes only, in log order."""
+    """The next request after `cursor`: at most 100 transitions, whole changes only, in log order.
+
+    An occurrence whose occur and recover both fall into the request (it came and went while the
+    request waited: behind the rate limit, or while ClusterD was away) is left out. ClusterD keeps
+    state, not history: its cache ends the same, without holding a healthy NPU for 5 s, and a
+    device that flapped through an outage costs one request, not one per flap."""
     held = dict(held)
-    sent: list[Transition] = []
+    slots: list[Transition | None] = []
+    occurs: dict[str, int] = {}  # faultId -> its occur's slot in this request
+    unsent = 0
     last = cursor
     for change in changes:
         items = transitions(held, change.state.phy_id, wanted_of(change))
-        if sent and len(sent) + len(items) > MAX_FAULTS_PER_REQUEST:
+        live = len(slots) - unsent
+        if live and live + len(items) > MAX_FAULTS_PER_REQUEST:
             break
         for assertion, fault in items:
-            if assertion == "recover":
-                del held[fault.fault_id]
-            else:
+            if assertion == "occur":
                 held[fault.fault_id] = fault
-        sent += items
+                occurs[fault.fault_id] = len(slots)
+                slots.append((assertion, fault))
+                continue
+            del held[fault.fault_id]
+            slot = occurs.pop(fault.fault_id, None)
+            if slot is None:
+                slots.append((assertion, fault))
+            else:
+                slots[slot] = None
+                unsent += 1
         last = change.revision
-    return Plan(sent, last, held)
+    return Plan([s for s in slots if s is not None], last, held, unsent)
 
 
 def resync(held: dict[str, PublicFault],

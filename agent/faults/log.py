@@ -70,13 +70,6 @@ def _int(value) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def _mtime(path: Path) -> float | None:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return None
-
-
 @dataclass
 class SinkEntry:
     revision: int  # everything up to here is acknowledged by the sink's peer
@@ -98,10 +91,11 @@ class FaultLog:
         self._latest: dict[int, Change] = {}
         self._sinks: dict[str, SinkEntry] = {}
         self._size = 0  # bytes of whole records in the file: a failed append is cut back to it
+        self._torn = False
         self.truncated_bytes = 0
         self.resets: list[str] = []  # why this open started a new epoch (empty: it did not)
-        self.previous_commit_at: float | None = None  # wall-clock time of the last commit before open()
-        self.previous_append_at: float | None = None  # wall-clock time of the last append before open()
+        # The previous run ended with close() (a clean stop): nothing it sent can still be in flight.
+        self.previous_clean = False
 
     # ---- opening ------------------------------------------------------------------------------
 
@@ -110,12 +104,13 @@ class FaultLog:
         epoch = self._read_json(self._dir / "meta.json").get("epoch")
         saved = self._read_json(self._dir / "cursors.json")
         self._sinks = self._read_sinks(saved, epoch)
-        self.previous_commit_at = _mtime(self._dir / "cursors.json")
-        self.previous_append_at = _mtime(self._path)
+        self.previous_clean = saved.get("clean") is True
         existed = self._path.exists()
         corrupt = self._load()
         self.epoch = epoch if isinstance(epoch, str) and epoch else ""
         reasons = []
+        if not self.epoch and existed:
+            reasons.append("meta.json is missing or unreadable")
         if self.epoch:
             held = max([_int(saved.get("revision")), *(e.revision for e in self._sinks.values() if e.epoch == epoch)])
             if not existed and held:
@@ -134,7 +129,7 @@ class FaultLog:
                 log.warning("fault log lost records it had; starting a new epoch (sinks resynchronise from the "
                             "current state, stream clients get a snapshot)",
                             extra={"path": str(self._path), "reasons": reasons, "revision": self.revision})
-            self._save_cursors()
+        self._save_cursors()  # until close() says otherwise, this run did not end cleanly
 
     def _read_json(self, path: Path) -> dict:
         try:
@@ -224,6 +219,9 @@ class FaultLog:
         changes = [Change(self.revision + i, state) for i, state in enumerate(states, 1)]
         data = b"".join(_line({"rev": c.revision, "state": state_to_dict(c.state)}) for c in changes)
         try:
+            if self._torn:  # what a failed append left could not be cut off then
+                os.truncate(self._path, self._size)
+                self._torn = False
             # Opened for each append (they are rare): nothing holds the file between writes, so a file
             # replaced or removed meanwhile is noticed at the next open, and the disk can be remounted.
             with open(self._path, "ab") as handle:
@@ -247,15 +245,17 @@ class FaultLog:
         try:
             if self._path.stat().st_size > self._size:
                 os.truncate(self._path, self._size)
-        except OSError as exc:  # the next open cuts the torn tail instead
-            log.warning("cannot cut a failed append off the fault log", extra={"error": str(exc)})
+        except OSError as exc:  # the next append (or open) cuts it
+            self._torn = True
+            log.warning("cannot cut a failed append off the fault log yet", extra={"error": str(exc)})
 
     def close(self) -> None:
-        """At shutdown: note the last revision, so a log cut short before the next start is noticed."""
+        """At a clean stop: note the last revision (a log cut short before the next start is noticed)
+        and that nothing this run sent can still be in flight."""
         if not self.epoch:
             return
         try:
-            self._save_cursors()
+            self._save_cursors(clean=True)
         except OSError as exc:
             log.warning("cannot note the fault log's last revision at shutdown", extra={"error": str(exc)})
 
@@ -315,8 +315,8 @@ class FaultLog:
         cursor = self.cursor(sink)
         return self.revision - (self._base_revision if cursor is None else cursor)
 
-    def _save_cursors(self) -> None:
-        data = {"epoch": self.epoch, "revision": self.revision,
+    def _save_cursors(self, clean: bool = False) -> None:
+        data = {"epoch": self.epoch, "revision": self.revision, "clean": clean,
                 "sinks": {name: {"revision": e.revision, "epoch": e.epoch, **({"state": e.state} if e.state else {})}
                           for name, e in sorted(self._sinks.items())}}
         atomic_write(self._dir / "cursors.json", json.dumps(data, sort_keys=True).encode())

@@ -118,16 +118,20 @@ class FaultService:
             changes += self.engine.add_device(device.phy_id, device.logic_id, now)
         if not self._history_loaded:
             self._history_loaded = True
+            # Escalations first: the devices are not observed yet, so nothing is rendered until the
+            # seed below renders each device once, with its escalated level (an occurrence that goes
+            # on across the restart keeps its start, hence its public faultId).
+            changes += self.engine.import_history(self._read_history(), now)
             # Start from what was known before the restart: a fault still present keeps its start,
-            # and a driver that does not answer yet does not make faults vanish.
-            for device in devices:
+            # and a driver that does not answer yet does not make faults vanish. Not from a log that
+            # lost records: what it says last may be long over.
+            for device in devices if not self._log.resets else ():
                 last = last_known.get(device.phy_id)
                 if last is not None:
                     raw = [(c.code, self._fault_time(device.phy_id, c.code, c.since_ms, now, MIN_TIME_MS))
                            for c in last.state.codes if not c.escalated_by]
                     changes += self.engine.seed(device.phy_id, raw, last.state.health, now,
                                                 last.state.level, last.state.level_since_ms)
-            changes += self.engine.import_history(self._read_history(), now)
         self._publish(changes)
 
     def on_event(self, device: DeviceInfo, event: DriverEvent) -> None:

@@ -46,29 +46,34 @@ def test_changes_go_out_in_log_order_and_the_view_follows():
     log = Log()
     one = log.add(1, Level.SeparateNPU)
     two = log.add(2, Level.SeparateNPU)
+    first = plan({}, 0, log.after(0), wanted_of)
+    assert names(first.transitions) == [("occur", ids(one)), ("occur", ids(two))]
     log.add(1, at_ms=T + 10)
-    step = plan({}, 0, log.after(0), wanted_of)
-    assert names(step.transitions) == [("occur", ids(one)), ("occur", ids(two)), ("recover", ids(one))]
-    assert step.last_revision == 3 and set(step.held) == {ids(two)}
+    three = log.add(3, Level.RestartNPU, T + 11)
+    step = plan(first.held, first.last_revision, log.after(first.last_revision), wanted_of)
+    assert names(step.transitions) == [("recover", ids(one)), ("occur", ids(three))]
+    assert step.last_revision == 4 and set(step.held) == {ids(two), ids(three)}
 
 
 def test_each_occurrence_is_its_own_key_so_a_quick_reoccur_goes_out_at_once():
     log = Log()
     first = log.add(3, Level.SeparateNPU, T)
+    held = plan({}, 0, log.after(0), wanted_of).held
     log.add(3, Level.NormalNPU, T + 100)
     again = log.add(3, Level.SeparateNPU, T + 200)
     assert ids(first) != ids(again)
-    step = plan({}, 0, log.after(0), wanted_of)
-    assert names(step.transitions) == [("occur", ids(first)), ("recover", ids(first)), ("occur", ids(again))]
+    step = plan(held, 1, log.after(1), wanted_of)
+    assert names(step.transitions) == [("recover", ids(first)), ("occur", ids(again))]
     assert set(step.held) == {ids(again)}
 
 
 def test_a_level_change_is_a_recover_of_one_code_and_an_occur_of_the_other():
     log = Log()
     separate = log.add(0, Level.SeparateNPU, T)
+    held = plan({}, 0, log.after(0), wanted_of).held
     restart = log.add(0, Level.RestartNPU, T + 5)
-    step = plan({}, 0, log.after(0), wanted_of)
-    assert names(step.transitions) == [("occur", ids(separate)), ("recover", ids(separate)), ("occur", ids(restart))]
+    step = plan(held, 1, log.after(1), wanted_of)
+    assert names(step.transitions) == [("recover", ids(separate)), ("occur", ids(restart))]
     assert step.held[ids(restart)].code == "020011002"
 
 
@@ -116,8 +121,9 @@ def test_acknowledged_recovers_are_kept_for_reassertion_for_a_while_and_bounded(
         view = view.acknowledged(step.transitions, step.held, now_ms=T + cursor)
         cursor = step.last_revision
     assert view.held == {} and len(view.recovered) == RECOVERED_MAX
-    kept_at = sorted(at for _, at in view.recovered.values())
-    assert kept_at[0] > T  # the oldest were dropped first
+    recovered_last = {f.fault_id for a, f in step.transitions if a == "recover"}
+    assert len(recovered_last) == 40 and recovered_last <= set(view.recovered)  # the newest are all kept
+    assert all(at > T for _, at in view.recovered.values())
     assert [a for a, _ in reassertion(view)] == ["recover"] * RECOVERED_MAX
     later = view.acknowledged([], {}, now_ms=T + RECOVERED_KEEP_S * 1000 + cursor + 1)
     assert later.recovered == {}
@@ -127,9 +133,11 @@ def test_reassertion_repeats_every_held_key_and_recent_recover():
     log = Log()
     gone = log.add(1, Level.SeparateNPU)
     held = log.add(2, Level.SeparateNPU)
-    log.add(1, at_ms=T + 1)
     step = plan({}, 0, log.after(0), wanted_of)
+    log.add(1, at_ms=T + 1)
     view = ClusterdView().acknowledged(step.transitions, step.held, now_ms=T)
+    step = plan(view.held, 2, log.after(2), wanted_of)
+    view = view.acknowledged(step.transitions, step.held, now_ms=T)
     assert names(reassertion(view)) == [("occur", ids(held)), ("recover", ids(gone))]
     assert reassertion(ClusterdView()) == []
     assert [len(r) for r in requests(reassertion(view) * 60)] == [100, 20]
@@ -143,3 +151,28 @@ def test_the_view_survives_its_own_serialisation():
     step = plan({}, 0, log.after(0), wanted_of)
     view = ClusterdView().acknowledged(step.transitions, step.held, now_ms=T)
     assert ClusterdView.from_dict(view.to_dict()) == view
+
+
+def test_an_occurrence_that_came_and_went_within_one_request_is_not_sent():
+    log = Log()
+    first = log.add(3, Level.SeparateNPU, T)
+    log.add(3, Level.NormalNPU, T + 1)
+    kept = log.add(3, Level.SeparateNPU, T + 2)
+    other = log.add(5, Level.SeparateNPU, T + 3)
+    step = plan({}, 0, log.after(0), wanted_of)
+    assert names(step.transitions) == [("occur", ids(kept)), ("occur", ids(other))]
+    assert step.unsent == 1 and set(step.held) == {ids(kept), ids(other)} and ids(first) not in step.held
+    # One already sent is recovered as usual.
+    later = log.add(3, Level.NormalNPU, T + 4)
+    step = plan(step.held, step.last_revision, log.after(step.last_revision), wanted_of)
+    assert names(step.transitions) == [("recover", ids(kept))] and step.unsent == 0 and later.revision == 5
+
+
+def test_a_flapping_device_costs_one_request_however_long_the_backlog():
+    log = Log()
+    for flap in range(500):
+        log.add(2, Level.SeparateNPU, T + 2 * flap)
+        log.add(2, Level.NormalNPU, T + 2 * flap + 1)
+    final = log.add(2, Level.SeparateNPU, T + 5000)
+    step = plan({}, 0, log.after(0), wanted_of)
+    assert names(step.transitions) == [("occur", ids(final))] and step.unsent == 500 and step.last_revision == 1001

@@ -365,3 +365,19 @@ def test_a_seeded_level_keeps_its_start_and_a_new_one_gets_a_new_start():
     other = engine(observed=False)
     [changed] = other.seed(4, [(0x80E18005, T0 - 60 * S)], Health.UNHEALTHY, T0, Level.SeparateNPU, T0 - 30 * S)
     assert changed.level is Level.RestartNPU and changed.level_since_ms == T0  # the level differs: a new one
+
+
+def test_an_escalated_level_keeps_its_start_across_a_restart():
+    """As the fault service restarts the engine: escalation history first, then the last logged codes."""
+    e = engine()
+    e.on_event(4, 0x80C98009, OCCUR, 2, None, T0)
+    e.on_reading(4, frozenset(), Health.HEALTHY, T0 + S)
+    e.on_event(4, 0x80C98009, OCCUR, 2, None, T0 + 2 * S)  # twice in 600 s: SeparateNPU by frequency
+    before = e.state(4)
+    assert before.level is Level.SeparateNPU
+    again = engine(observed=False)
+    again.add_device(4, 4, T0 + 10 * S)
+    changes = again.import_history(e.export_history(), T0 + 10 * S)
+    raw = [(c.code, c.since_ms) for c in before.codes if not c.escalated_by]
+    changes += again.seed(4, raw, before.health, T0 + 10 * S, before.level, before.level_since_ms)
+    assert [(c.level, c.level_since_ms) for c in changes] == [(Level.SeparateNPU, before.level_since_ms)]
