@@ -115,6 +115,8 @@ class ClusterdSink:
         # way finish, within its deadline, before the tasks go.
         if self._in_flight is not None and not self._in_flight.done():
             await asyncio.wait([self._in_flight], timeout=CALL_DEADLINE_S)
+            if self._in_flight.done() and not self._in_flight.cancelled():
+                self._in_flight.exception()  # its outcome is the next run's business (it resends)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
