@@ -9,6 +9,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from agent.faults import stream
+from agent.grpcutil import EXCLUSIVE, bind
 from agent.faults.hub import FaultHub
 from agent.kube.podresources import PodsOf, no_pods
 
@@ -21,6 +22,7 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_concurrent_streams", 128),
+    *EXCLUSIVE,
 ]
 
 
@@ -41,9 +43,7 @@ class GrpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             [service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
-        self.port = server.add_insecure_port(self._listen)
-        if self.port == 0:
-            raise OSError(f"grpc.listen {self._listen}: cannot bind")
+        self.port = bind(server, self._listen, "grpc.listen")
         await server.start()
         self._server = server
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)

@@ -33,7 +33,10 @@ class HttpEndpoint:
         self.port = 0
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self._host, self._port, limit=MAX_REQUEST_BYTES)
+        try:
+            self._server = await asyncio.start_server(self._serve, self._host, self._port, limit=MAX_REQUEST_BYTES)
+        except OSError as exc:
+            raise OSError(f"http.listen {self._host}:{self._port}: cannot listen there ({exc.strerror or exc})") from None
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("http endpoint listening", extra={"address": f"{self._host}:{self.port}"})
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from agent._proto import tasknet_pb2 as pb
+from agent.grpcutil import EXCLUSIVE, bind
 from agent.taskd.budget import ByteBudget
 from agent.taskd.frames import Frame, Malformed
 from agent.taskd.peers import Peer, PeerRefused, PeerResolver
@@ -45,6 +46,7 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_concurrent_streams", 64),  # per connection: a flooding process waits, others do not
+    *EXCLUSIVE,
 ]
 
 
@@ -136,10 +138,8 @@ class TaskdProxy:
     async def start(self) -> None:
         server = grpc.aio.server(options=SERVER_OPTIONS)
         server.add_generic_rpc_handlers((self._handlers(),))
-        self.port = server.add_insecure_port(self._listen)
-        if self.port == 0:
-            raise OSError(f"taskd_proxy.listen {self._listen}: cannot bind (is a TaskD proxy of a hostNetwork "
-                          "training pod already listening there?)")
+        self.port = bind(server, self._listen, "taskd_proxy.listen",
+                         " (is a TaskD proxy of a hostNetwork training pod already listening there?)")
         await server.start()
         self._server = server
         self._janitor = asyncio.create_task(self._sweep(), name="taskd-proxy-janitor")

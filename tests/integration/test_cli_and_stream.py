@@ -180,3 +180,24 @@ def test_a_subscriber_resumes_across_an_agent_restart(tmp_path, start_agent):
     revisions = [c.revision for c in changes]
     assert revisions == list(range(seen + 1, seen + 1 + len(revisions)))
     assert missed <= {(c.device.device, c.revision) for c in changes}
+
+
+def test_a_listening_port_is_exclusive_and_a_taken_one_is_one_line_naming_the_key(tmp_path):
+    (tmp_path / "first").mkdir()
+    first = AgentProcess(tmp_path / "first", {"devices": {"backend": "simulated"}}).start()
+    try:
+        for key, section in (("grpc.listen", "grpc"), ("http.listen", "http")):
+            port = first.grpc_port if section == "grpc" else first.http_port
+            config = tmp_path / f"second-{section}.yaml"
+            config.write_text(yaml.safe_dump({
+                "node_name": "second", "state_dir": str(tmp_path / f"state-{section}"), "devices": {"backend": "simulated"},
+                "http": {"listen": "127.0.0.1:0"}, "grpc": {"listen": "127.0.0.1:0"},
+                section: {"listen": f"127.0.0.1:{port}"}}))
+            result = cli("run", "--config", str(config), timeout=30)
+            assert result.returncode == 1, result.stderr[-2000:]
+            lines = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+            [failure] = [line for line in lines if line["msg"] == "cannot start"]
+            assert failure["error"].startswith(f"{key} 127.0.0.1:{port}: cannot listen there"), failure
+            assert "Traceback" not in result.stderr
+    finally:
+        first.stop()
