@@ -248,22 +248,32 @@ class FaultEngine:
         return {"version": 1, "devices": devices}
 
     def import_history(self, history: dict, now_ms: int) -> list[DeviceState]:
-        """Restore what `export_history` wrote; devices must be added first (unknown ones are skipped)."""
-        for phy_text, entry in history.get("devices", {}).items():
-            device = self._devices.get(int(phy_text))
-            if device is None:
-                continue
-            for code_text, times in entry.get("occurrences", {}).items():
-                device.occurrences[int(code_text, 16)] = sorted(int(t) for t in times)
-            for code_text, item in entry.get("frequency", {}).items():
-                device.escalations[int(code_text, 16)] = _Escalation(
+        """Restore what `export_history` wrote; devices must be added first (unknown ones are skipped).
+
+        All or nothing: ValueError (nothing applied) when the history has the wrong shape."""
+        try:
+            parsed = []
+            for phy_text, entry in history.get("devices", {}).items():
+                occurrences = {int(code, 16): sorted(int(t) for t in times)
+                               for code, times in entry.get("occurrences", {}).items()}
+                frequency = {int(code, 16): _Escalation(
                     Level[item["level"]], int(item["since_ms"]), int(item["release_s"]),
                     None if item.get("quiet_since_ms") is None else int(item["quiet_since_ms"]))
-            for code_text, item in entry.get("duration", {}).items():
-                held = item.get("held_since_ms")
-                device.tracks[int(code_text, 16)] = _Track(
+                    for code, item in entry.get("frequency", {}).items()}
+                duration = {int(code, 16): _Track(
                     since_ms=int(item["since_ms"]), duration_escalated=True,
-                    held_since_ms=now_ms if held is None else int(held))
+                    held_since_ms=now_ms if item.get("held_since_ms") is None else int(item["held_since_ms"]))
+                    for code, item in entry.get("duration", {}).items()}
+                parsed.append((int(phy_text), occurrences, frequency, duration))
+        except (AttributeError, KeyError, TypeError, ValueError, RecursionError) as exc:
+            raise ValueError(f"escalation history of the wrong shape: {type(exc).__name__}: {exc}") from None
+        for phy, occurrences, frequency, duration in parsed:
+            device = self._devices.get(phy)
+            if device is None:
+                continue
+            device.occurrences.update(occurrences)
+            device.escalations.update(frequency)
+            device.tracks.update(duration)
         return self._finish(now_ms, list(self._devices.values()))
 
     # ---- the rules ----------------------------------------------------------------------------

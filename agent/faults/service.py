@@ -121,7 +121,10 @@ class FaultService:
             # Escalations first: the devices are not observed yet, so nothing is rendered until the
             # seed below renders each device once, with its escalated level (an occurrence that goes
             # on across the restart keeps its start, hence its public faultId).
-            changes += self.engine.import_history(self._read_history(), now)
+            try:
+                changes += self.engine.import_history(self._read_history(), now)
+            except ValueError as exc:
+                self._set_history_aside(str(exc))
             # Start from what was known before the restart: a fault still present keeps its start,
             # and a driver that does not answer yet does not make faults vanish. Not from a log that
             # lost records: what it says last may be long over.
@@ -229,15 +232,19 @@ class FaultService:
             return json.loads(self._history_path.read_text("utf-8"))
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError) as exc:
-            aside = self._history_path.with_name(f"{HISTORY_FILE}.corrupt-{int(self._clock())}")
-            try:
-                self._history_path.rename(aside)
-            except OSError:
-                pass
-            log.error("escalation history unreadable; starting without it", extra={
-                "path": str(self._history_path), "error": str(exc), "moved_to": str(aside)})
+        except (OSError, ValueError, RecursionError) as exc:
+            self._set_history_aside(f"{type(exc).__name__}: {exc}")
             return {}
+
+    def _set_history_aside(self, error: str) -> None:
+        """A history that cannot be used is kept for inspection, and the engine starts without it."""
+        aside = self._history_path.with_name(f"{HISTORY_FILE}.corrupt-{int(self._clock())}")
+        try:
+            self._history_path.rename(aside)
+        except OSError:
+            pass
+        log.error("escalation history unreadable; moved aside, starting without it", extra={
+            "path": str(self._history_path), "error": error, "moved_to": str(aside)})
 
     def _save_history(self) -> None:
         try:
