@@ -281,7 +281,8 @@ def validate(config: Config) -> list[str]:
               f"{code!r} is not a 9-digit public fault code")
     check(30 <= config.clusterd.reconcile_interval_seconds <= 86400, "clusterd.reconcile_interval_seconds",
           f"{config.clusterd.reconcile_interval_seconds} is out of range 30..86400")
-    check(0 < config.profiling.disk_limit_mb, "profiling.disk_limit_mb", "must be positive")
+    check(0 <= config.profiling.disk_limit_mb, "profiling.disk_limit_mb",
+          "must not be negative (0 measures the tree without aging it)")
     proxy = config.taskd_proxy
     check(1 <= proxy.manager_port <= 65535, "taskd_proxy.manager_port", "is not a port number")
     check(0.1 <= proxy.dial_timeout_seconds <= 60, "taskd_proxy.dial_timeout_seconds",

@@ -28,6 +28,7 @@ def test_unknown_keys_are_rejected_with_their_path():
     ({"devices": {"poll_interval_seconds": "5"}}, "devices.poll_interval_seconds: expected a number, got '5'"),
     ({"kubernetes": {"enabled": "yes"}}, "kubernetes.enabled: expected true or false"),
     ({"profiling": {"disk_limit_mb": 1.5}}, "profiling.disk_limit_mb: expected an integer"),
+    ({"profiling": {"disk_limit_mb": -1}}, "profiling.disk_limit_mb: must not be negative"),
     ({"devices": {"backend": "nvml"}}, "devices.backend: 'nvml' is not dcmi or simulated"),
     ({"http": {"listen": "9410"}}, "http.listen: '9410' is not HOST:PORT"),
     ({"faults": {"unknown_code_level": "Severe"}}, "faults.unknown_code_level: unknown fault level 'Severe'"),
@@ -52,3 +53,7 @@ def test_yaml_errors_name_the_file_and_line(tmp_path):
     path.write_text("devices:\n  backend: [dcmi\n")
     with pytest.raises(ConfigError, match=r"agent.yaml: invalid YAML at line"):
         load_config(str(path), environ={})
+
+
+def test_a_disk_limit_of_zero_is_accepted_as_documented():
+    assert config_from_dict({"profiling": {"disk_limit_mb": 0}}).profiling.disk_limit_mb == 0
