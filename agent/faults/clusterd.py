@@ -94,6 +94,7 @@ class ClusterdSink:
         self._crash = ""
         self._first_run = True
         self._in_flight: asyncio.Future | None = None
+        self._maybe_sent = 0  # changes up to here may have been sent by a previous run that died
         self.writes = WriteRetry("ClusterD sink's cursor")
         self.counters: Counter[str] = Counter()  # requests by result
         self.reconciles: Counter[str] = Counter()  # re-assertions that sent something, by reason
@@ -224,6 +225,8 @@ class ClusterdSink:
             log.error("the clusterd sink's saved view is malformed; starting without it (faults ClusterD holds "
                       "from before may stay there)", extra={"error": str(exc)})
             self._view, self._cursor = ClusterdView(), None
+        if not self._log.previous_clean:
+            self._maybe_sent = self._log.revision
         if self._view.resyncing:
             self._cursor = None  # the previous run died in the middle of a resync: do it again
         if saved is None and self._cursor is None:
@@ -250,7 +253,7 @@ class ClusterdSink:
             return False
         if not changes:
             return False
-        step = plan(self._view.held, self._cursor, changes, self._wanted)
+        step = plan(self._view.held, self._cursor, changes, self._wanted, self._maybe_sent)
         if step.unsent:
             self.unsent += step.unsent
             log.info("fault occurrences that began and ended before they could be sent; not sent", extra={

@@ -75,13 +75,14 @@ def transitions(held: dict[str, PublicFault], device: int, wanted: dict[str, Pub
 
 
 def plan(held: dict[str, PublicFault], cursor: int, changes: Iterable[Change],
-         wanted_of: Callable[[Change], dict[str, PublicFault]]) -> Plan:
+         wanted_of: Callable[[Change], dict[str, PublicFault]], sent_before: int = 0) -> Plan:
     """The next request after `cursor`: at most 100 transitions, whole changes only, in log order.
 
     An occurrence whose occur and recover both fall into the request (it came and went while the
     request waited: behind the rate limit, or while ClusterD was away) is left out. ClusterD keeps
     state, not history: its cache ends the same, without holding a healthy NPU for 5 s, and a
-    device that flapped through an outage costs one request, not one per flap."""
+    device that flapped through an outage costs one request, not one per flap. Not for an occur at
+    or before `sent_before`: a previous run that died may have sent it already."""
     held = dict(held)
     slots: list[Transition | None] = []
     occurs: dict[str, int] = {}  # faultId -> its occur's slot in this request
@@ -95,7 +96,8 @@ def plan(held: dict[str, PublicFault], cursor: int, changes: Iterable[Change],
         for assertion, fault in items:
             if assertion == "occur":
                 held[fault.fault_id] = fault
-                occurs[fault.fault_id] = len(slots)
+                if change.revision > sent_before:
+                    occurs[fault.fault_id] = len(slots)
                 slots.append((assertion, fault))
                 continue
             del held[fault.fault_id]

@@ -232,6 +232,7 @@ def test_nothing_is_lost_across_a_clusterd_outage(start_agent, clusterd):
 
 def test_nothing_is_lost_when_the_agent_is_killed_during_a_send(start_agent, clusterd):
     agent, fake = start_agent(devices={"poll_interval_seconds": 1}, **with_clusterd(clusterd))
+    agent.wait_for_log("clusterd sink resynchronising ClusterD from the current state")  # the start is behind it
     clusterd.delay(3)  # the request is in flight when the agent dies
     fake.occur(4, HBM)
     wait_until(lambda: agent.fault_of(phy(4)), 2, "fault seen by the agent")

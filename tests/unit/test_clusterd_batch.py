@@ -176,3 +176,11 @@ def test_a_flapping_device_costs_one_request_however_long_the_backlog():
     final = log.add(2, Level.SeparateNPU, T + 5000)
     step = plan({}, 0, log.after(0), wanted_of)
     assert names(step.transitions) == [("occur", ids(final))] and step.unsent == 500 and step.last_revision == 1001
+
+
+def test_an_occur_a_dead_run_may_have_sent_is_not_left_out():
+    log = Log()
+    first = log.add(4, Level.SeparateNPU, T)  # the previous run sent this, maybe, and died
+    log.add(4, Level.NormalNPU, T + 1)  # this run finds the device healthy
+    step = plan({}, 0, log.after(0), wanted_of, sent_before=1)
+    assert names(step.transitions) == [("occur", ids(first)), ("recover", ids(first))] and step.unsent == 0
