@@ -109,7 +109,7 @@ class AgentCollector:
         writes = CounterMetricFamily("npu_agent_state_write_failures_total",
                                      "Failed writes of state the agent keeps on disk (retried with backoff)",
                                      labels=["node", "file"])
-        for write in [*self._faults.writes, *(w for sink in self._sinks for w in [getattr(sink, "writes", None)] if w)]:
+        for write in [*self._faults.writes, *(sink.writes for sink in self._sinks if hasattr(sink, "writes"))]:
             writes.add_metric([node, write.what], write.failures)
         yield writes
         clamped = CounterMetricFamily("npu_agent_driver_fault_times_clamped_total",

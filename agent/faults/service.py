@@ -86,7 +86,8 @@ class FaultService:
         self._clamped_logged: set[tuple[int, int]] = set()
         self._unwritten: dict[int, DeviceState] = {}  # changes waiting for the fault log to be writable
         self._retry: asyncio.TimerHandle | None = None
-        self.writes = [WriteRetry("fault log"), WriteRetry("escalation history")]
+        self._log_writes, self._history_writes = WriteRetry("fault log"), WriteRetry("escalation history")
+        self.writes = (self._log_writes, self._history_writes)
 
     # ---- component --------------------------------------------------------------------------
 
@@ -199,11 +200,11 @@ class FaultService:
         try:
             appended = self._log.append(fresh)
         except OSError as exc:
-            delay = self.writes[0].failed(exc, devices=sorted(self._unwritten))
+            delay = self._log_writes.failed(exc, devices=sorted(self._unwritten))
             if self._loop is not None and self._retry is None:
                 self._retry = self._loop.call_later(delay, self._retry_append)
             return
-        self.writes[0].succeeded()
+        self._log_writes.succeeded()
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
@@ -252,9 +253,9 @@ class FaultService:
             atomic_write(self._history_path, data)
         except OSError as exc:
             self.engine.history_dirty = True  # tried again with the next change (the engine holds it meanwhile)
-            self.writes[1].failed(exc, path=str(self._history_path))
+            self._history_writes.failed(exc, path=str(self._history_path))
             return
-        self.writes[1].succeeded()
+        self._history_writes.succeeded()
 
     def _identities(self) -> tuple:
         return tuple(file_identity(p) if p else None
