@@ -2,14 +2,70 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import random
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Callable, TypeVar
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+KEEP_ASIDE = 3  # moved-aside copies kept per state file; older ones are deleted
+moved_aside: Counter[str] = Counter()  # state files moved aside, by file name (npu_agent_state_files_moved_aside_total)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number out of range: {text[:40]}")
+    return value
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def strict_json(raw: bytes | str):
+    """JSON as the agent writes it: no NaN/Infinity, no number a float cannot hold (`1e400`)."""
+    return json.loads(raw, parse_float=_finite, parse_constant=_no_constant)
+
+
+def read_state(path: Path, what: str, parse: Callable[[object], T], clock: Callable[[], float] = time.time) -> T | None:
+    """The state kept in `path`, as `parse` builds it from the decoded JSON; None if there is none.
+
+    A state file is input like any other. One that cannot be used (not UTF-8 or JSON, nested too
+    deeply, a number out of range, or of a shape `parse` refuses with ValueError, TypeError,
+    KeyError or AttributeError) is moved aside to `<name>.corrupt-<unix time>` for inspection,
+    logged once and counted; the caller starts fresh. One that cannot be read (EACCES, EIO) is
+    logged and left where it is."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.error(f"{what} cannot be read; starting without it", extra={"path": str(path), "error": str(exc)})
+        return None
+    try:
+        return parse(strict_json(raw))
+    except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError, RecursionError) as exc:
+        error = f"{type(exc).__name__}: {str(exc)[:200]}"
+    aside = path.with_name(f"{path.name}.corrupt-{int(clock())}")
+    try:
+        os.replace(path, aside)
+        for old in sorted(path.parent.glob(f"{path.name}.corrupt-*"))[:-KEEP_ASIDE]:
+            old.unlink(missing_ok=True)
+    except OSError as exc:
+        aside = f"(not moved: {exc})"
+    moved_aside[path.name] += 1
+    log.error(f"{what} of the wrong shape; moved aside, starting without it",
+              extra={"path": str(path), "error": error, "moved_to": str(aside)})
+    return None
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:

@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from agent import __version__
+from agent import __version__, fsutil
 from agent.devices.monitor import DeviceMonitor
 from agent.faults.hub import FaultHub
 from agent.faults.log import FaultLog
@@ -112,6 +112,12 @@ class AgentCollector:
         for write in [*self._faults.writes, *(sink.writes for sink in self._sinks if hasattr(sink, "writes"))]:
             writes.add_metric([node, write.what], write.failures)
         yield writes
+        aside = CounterMetricFamily("npu_agent_state_files_moved_aside_total",
+                                    "State files of the wrong shape moved aside at start (that part started fresh)",
+                                    labels=["node", "file"])
+        for name, count in sorted(fsutil.moved_aside.items()):
+            aside.add_metric([node, name], count)
+        yield aside
         clamped = CounterMetricFamily("npu_agent_driver_fault_times_clamped_total",
                                       "Driver fault times older than the agent's start, replaced by when it saw the fault",
                                       labels=["node"])

@@ -26,7 +26,7 @@ from agent.faults.engine import Assertion, DeviceState, EngineSettings, FaultEng
 from agent.faults.hub import Change, FaultHub
 from agent.faults.log import FaultLog
 from agent.faults.levels import Level
-from agent.fsutil import WriteRetry, atomic_write, file_identity
+from agent.fsutil import WriteRetry, atomic_write, file_identity, read_state
 from agent.faults.pubfault import MIN_TIME_MS
 
 log = logging.getLogger(__name__)
@@ -122,10 +122,9 @@ class FaultService:
             # Escalations first: the devices are not observed yet, so nothing is rendered until the
             # seed below renders each device once, with its escalated level (an occurrence that goes
             # on across the restart keeps its start, hence its public faultId).
-            try:
-                changes += self.engine.import_history(self._read_history(), now)
-            except ValueError as exc:
-                self._set_history_aside(str(exc))
+            # All or nothing: a history of the wrong shape is moved aside and the engine starts without it.
+            changes += read_state(self._history_path, "escalation history",
+                                  lambda doc: self.engine.import_history(doc, now), self._clock) or []
             # Start from what was known before the restart: a fault still present keeps its start,
             # and a driver that does not answer yet does not make faults vanish. Not from a log that
             # lost records: what it says last may be long over.
@@ -227,25 +226,6 @@ class FaultService:
     def _on_timer(self) -> None:
         self._timer = None
         self._publish(self.engine.tick(self._now_ms()))
-
-    def _read_history(self) -> dict:
-        try:
-            return json.loads(self._history_path.read_text("utf-8"))
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError, RecursionError) as exc:
-            self._set_history_aside(f"{type(exc).__name__}: {exc}")
-            return {}
-
-    def _set_history_aside(self, error: str) -> None:
-        """A history that cannot be used is kept for inspection, and the engine starts without it."""
-        aside = self._history_path.with_name(f"{HISTORY_FILE}.corrupt-{int(self._clock())}")
-        try:
-            self._history_path.rename(aside)
-        except OSError:
-            pass
-        log.error("escalation history unreadable; moved aside, starting without it", extra={
-            "path": str(self._history_path), "error": error, "moved_to": str(aside)})
 
     def _save_history(self) -> None:
         try:

@@ -159,13 +159,14 @@ def test_sigterm_while_a_driver_call_hangs_still_stops_within_10s(start_agent):
 
 
 @pytest.mark.parametrize("content", ["[]", '{"devices": {"3": {"frequency": {"80E18005": {"level": "Bogus"}}}}}',
-                                     "[" * 100_000 + "]" * 100_000, "not json"])
+                                     "[" * 100_000 + "]" * 100_000, "not json",
+                                     '{"devices": {"3": {"occurrences": {"80E18005": [1e400]}}}}'])
 def test_an_escalation_history_of_the_wrong_shape_is_moved_aside_and_the_agent_starts(start_agent, tmp_path, content):
     state = tmp_path / "state"
     state.mkdir()
     (state / "fault-history.json").write_text(content)
     agent, fake = start_agent(devices={"poll_interval_seconds": 1})  # ready: the first poll finished
-    line = agent.wait_for_log("escalation history unreadable; moved aside, starting without it")
+    line = agent.wait_for_log("escalation history of the wrong shape; moved aside, starting without it")
     assert Path(line["moved_to"]).read_text() == content
     fake.occur(1, 0x80E18402)
     wait_until(lambda: agent.fault_of(phy(1)), 3, "a fault after the restart")
