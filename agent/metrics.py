@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from agent import __version__, fsutil
+from agent import __version__, fsutil, tasks
 from agent.devices.monitor import DeviceMonitor
 from agent.faults.hub import FaultHub
 from agent.faults.log import FaultLog
@@ -94,9 +94,6 @@ class AgentCollector:
                 labels=["node", "reason"])
             for reason, count in sorted(clusterd[0].reconciles.items()):
                 reconciles.add_metric([node, reason], count)
-            restarts = CounterMetricFamily("npu_agent_task_restarts_total",
-                                           "Background tasks restarted after an unexpected error", labels=["node", "task"])
-            restarts.add_metric([node, "clusterd"], clusterd[0].crashes)
             unsent = CounterMetricFamily(
                 "npu_agent_clusterd_unsent_occurrences_total",
                 "Public fault occurrences that began and ended while waiting to be sent, so never sent",
@@ -105,7 +102,12 @@ class AgentCollector:
             yield held
             yield reconciles
             yield unsent
-            yield restarts
+        restarts = CounterMetricFamily("npu_agent_task_restarts_total",
+                                       "Background tasks restarted after an unexpected error, by component/task",
+                                       labels=["node", "task"])
+        for task, count in sorted(tasks.restarts.items()):
+            restarts.add_metric([node, task], count)
+        yield restarts
         writes = CounterMetricFamily("npu_agent_state_write_failures_total",
                                      "Failed writes of state the agent keeps on disk (retried with backoff)",
                                      labels=["node", "file"])

@@ -44,6 +44,8 @@ MIB = 1 << 20  # TaskD's "MB" is a MiB
 
 
 class Component(Protocol):
+    """Runs its long-lived tasks through an `agent.tasks.Tasks` named `tasks`, whose failures show here."""
+
     name: str
 
     async def start(self) -> None: ...
@@ -74,7 +76,14 @@ class Supervisor:
         self._started.clear()
 
     def states(self) -> list[tuple[str, bool, str]]:
-        return [(c.name, *c.readiness()) for c in self.components]
+        """(component, ready, why not): its own readiness and that of its supervised tasks (agent.tasks)."""
+        states = []
+        for component in self.components:
+            ok, why = component.readiness()
+            tasks = getattr(component, "tasks", None)
+            failed = tasks.problem if tasks is not None else ""
+            states.append((component.name, ok and not failed, "; ".join(p for p in (why, failed) if p)))
+        return states
 
     def readiness(self) -> tuple[bool, list[str]]:
         reasons = [f"{name}: {why}" for name, ok, why in self.states() if not ok]

@@ -43,6 +43,7 @@ from agent.faults.pubfault import PublicFault, fault_problems, public_faults, re
 from agent.fsutil import WriteRetry
 from agent.kube.podresources import PodsOf, no_pods
 from agent.ratelimit import TokenBucket
+from agent.tasks import Tasks
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class ClusterdSink:
         self._clock = clock
         self._bucket = TokenBucket(REQUESTS_PER_S, REQUEST_BURST, time.monotonic)
         self._wakeup = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
+        self.tasks = Tasks("clusterd-sink")
         self._channel: grpc.aio.Channel | None = None
         self._stub = None
         self._view = ClusterdView()  # what ClusterD holds, as far as it acknowledged
@@ -91,7 +92,6 @@ class ClusterdSink:
         self._reassert_why = "start"
         self._follow_up = True  # a request of the previous run may land after the first re-assertion
         self._failed_call = False  # since the last success: a request that failed may still land
-        self._crash = ""
         self._first_run = True
         self._in_flight: asyncio.Future | None = None
         self._maybe_sent = 0  # changes up to here may have been sent by a previous run that died
@@ -99,7 +99,6 @@ class ClusterdSink:
         self.counters: Counter[str] = Counter()  # requests by result
         self.reconciles: Counter[str] = Counter()  # re-assertions that sent something, by reason
         self.unsent = 0  # occurrences over before they could be sent (clusterd_batch.plan)
-        self.crashes = 0
         self.last_success = 0.0
 
     # ---- component ----------------------------------------------------------------------------
@@ -107,9 +106,8 @@ class ClusterdSink:
     async def start(self) -> None:
         self._channel = grpc.aio.insecure_channel(self._config.address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.PubFaultStub(self._channel)
-        self._tasks = [asyncio.create_task(self._supervise(self._run, "delivery"), name="clusterd-sink"),
-                       asyncio.create_task(self._supervise(self._watch_channel, "connection watch"),
-                                           name="clusterd-connection")]
+        self.tasks.start("delivery", self._run)
+        self.tasks.start("connection-watch", self._watch_channel)
 
     async def stop(self) -> None:
         # A clean stop leaves no request in flight (the next start relies on it): let the one on its
@@ -118,21 +116,13 @@ class ClusterdSink:
             await asyncio.wait([self._in_flight], timeout=CALL_DEADLINE_S)
             if self._in_flight.done() and not self._in_flight.cancelled():
                 self._in_flight.exception()  # its outcome is the next run's business (it resends)
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await self.tasks.stop()
         if self._channel is not None:
             await self._channel.close(grace=None)
 
     def readiness(self) -> tuple[bool, str]:
         # Delivery lag (ClusterD down) shows in npu_agent_outbox_pending; this is about the agent itself.
-        problems = [p for p in (self.writes.problem, self._crash and f"delivery failed ({self._crash}); restarting")
-                    if p]
-        return not problems, "; ".join(problems)
+        return not self.writes.problem, self.writes.problem
 
     def notify(self, changes: list[Change]) -> None:
         """The fault log has new changes (called on the loop after each durable append)."""
@@ -147,23 +137,6 @@ class ClusterdSink:
     @property
     def held(self) -> int:
         return len(self._view.held)
-
-    # ---- supervision --------------------------------------------------------------------------
-
-    async def _supervise(self, body: Callable, what: str) -> None:
-        backoff = BACKOFF_FIRST_S
-        while True:
-            try:
-                await body()
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.crashes += 1
-                self._crash = f"{what}: {type(exc).__name__}: {exc}"
-                log.exception(f"clusterd sink {what} failed; restarting it", extra={"backoff_s": round(backoff, 1)})
-                await asyncio.sleep(backoff * random.uniform(0.8, 1.0))
-                backoff = min(BACKOFF_MAX_S, backoff * 2)
 
     async def _watch_channel(self) -> None:
         """A connection to ClusterD that drops may be ClusterD restarting: re-assert when it is back.
@@ -203,7 +176,6 @@ class ClusterdSink:
         while True:
             self._wakeup.clear()
             more = await self._deliver_once()
-            self._crash = ""  # a whole step went through
             if time.monotonic() >= self._reassert_at:
                 await self._reassert()
             if self._save_at is not None and time.monotonic() >= self._save_at:

@@ -1,0 +1,96 @@
+"""The one way the agent runs a long-lived task: supervised.
+
+A task that raises is logged (with its traceback the first time that error is seen), counted in
+`npu_agent_task_restarts_total`, shown on /readyz as its component's reason, and started again
+after a backoff (1 s doubling to 60 s, reset by a run of a minute). Its component may pass a
+`reset` that puts its state back to what a fresh start expects. No task dies silently."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import Counter
+from typing import Awaitable, Callable
+
+log = logging.getLogger(__name__)
+
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 60.0
+HEALTHY_AFTER_S = 10.0  # a restarted task that runs this long is no longer a reason to be unready
+BACKOFF_RESET_S = 60.0  # a run this long starts the backoff over
+
+restarts: Counter[str] = Counter()  # "<component>/<task>" -> restarts (npu_agent_task_restarts_total)
+
+
+class Tasks:
+    """The long-lived tasks of one component."""
+
+    def __init__(self, component: str):
+        self.component = component
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._failures: dict[str, str] = {}  # task -> why it is not running as it should
+        self._seen: set[tuple[str, str]] = set()  # (task, error type) whose traceback was logged
+
+    def start(self, name: str, body: Callable[[], Awaitable[None]], reset: Callable[[], None] | None = None) -> None:
+        """Run `body()` until it returns; when it raises, call `reset()` and run it again after the backoff."""
+        if name in self._tasks and not self._tasks[name].done():
+            raise RuntimeError(f"{self.component}/{name} is already running")
+        self._tasks[name] = asyncio.create_task(self._supervise(name, body, reset), name=f"{self.component}/{name}")
+
+    async def stop(self, timeout: float | None = None) -> None:
+        """Cancel every task; one stuck in a call that ignores cancellation is left behind after `timeout`."""
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+
+    @property
+    def problem(self) -> str:
+        return "; ".join(self._failures[name] for name in sorted(self._failures))
+
+    @property
+    def running(self) -> list[str]:
+        return sorted(name for name, task in self._tasks.items() if not task.done())
+
+    async def _supervise(self, name: str, body: Callable[[], Awaitable[None]], reset: Callable[[], None] | None) -> None:
+        loop = asyncio.get_running_loop()
+        backoff = BACKOFF_FIRST_S
+        healthy: asyncio.TimerHandle | None = None
+        try:
+            while True:
+                started = loop.time()
+                try:
+                    await body()
+                    self._failures.pop(name, None)
+                    return
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    if healthy is not None:
+                        healthy.cancel()
+                    if loop.time() - started >= BACKOFF_RESET_S:
+                        backoff = BACKOFF_FIRST_S
+                    key = f"{self.component}/{name}"
+                    restarts[key] += 1
+                    error = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    self._failures[name] = f"task {name} failed ({error}); restarted with backoff"
+                    first = (name, type(exc).__name__) not in self._seen
+                    self._seen.add((name, type(exc).__name__))
+                    log.error("task failed; restarting it", exc_info=first, extra={
+                        "component": self.component, "task": name, "error": error,
+                        "restarts": restarts[key], "backoff_s": round(backoff, 1)})
+                await asyncio.sleep(backoff * random.uniform(0.8, 1.0))
+                backoff = min(BACKOFF_MAX_S, backoff * 2)
+                if reset is not None:
+                    try:
+                        reset()
+                    except Exception:
+                        log.exception("task reset failed; restarting it anyway",
+                                      extra={"component": self.component, "task": name})
+                healthy = loop.call_later(HEALTHY_AFTER_S, self._failures.pop, name, None)
+        finally:
+            if healthy is not None:
+                healthy.cancel()
