@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from typing import Callable
 
+import urllib3
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
@@ -20,6 +21,7 @@ from agent.devices.pool import DaemonPool
 from agent.faults.deviceinfo import LABELS, NAME_PREFIX, NAMESPACE, content_key, device_info_data
 from agent.faults.hub import Change, FaultHub
 from agent.kube.client import REQUEST_TIMEOUT_S, KubeUnavailable, core_api
+from agent.tasks import Tasks
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ class DeviceInfoConfigMapSink:
         self._clock = clock
         self._api: client.CoreV1Api | None = None
         self._wakeup = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self.tasks = Tasks("configmap-sink")
         self._pool = DaemonPool(max_threads=1, name="kube")  # a stuck API call must not hold up SIGTERM
         self._written_key = ""
         self._written_at = 0.0
@@ -54,11 +56,10 @@ class DeviceInfoConfigMapSink:
         return NAME_PREFIX + self._node
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="configmap-sink")
+        self.tasks.start("writer", self._run)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        await self.tasks.stop(timeout=1.0)
         self._pool.close()
 
     def readiness(self) -> tuple[bool, str]:
@@ -100,7 +101,7 @@ class DeviceInfoConfigMapSink:
             return 0.0
         try:
             await asyncio.wrap_future(self._pool.submit(self._write, data))
-        except (ApiException, KubeUnavailable, OSError, ValueError) as exc:
+        except (ApiException, KubeUnavailable, urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
             self.counters["error"] += 1
             reason = f"{getattr(exc, 'status', '')} {getattr(exc, 'reason', '') or exc}".strip()
             if reason != self.error:

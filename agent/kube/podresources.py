@@ -20,6 +20,7 @@ import grpc
 
 from agent._proto import podresources_pb2 as pb
 from agent._proto import podresources_pb2_grpc as pb_grpc
+from agent.tasks import Tasks
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class PodAttribution:
         self.refreshes: Counter[str] = Counter()  # ok, absent, error
         self.problem = ""  # why attribution is empty, "" when the kubelet answered
         self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self.tasks = Tasks("pod-attribution")
         self._channel: grpc.aio.Channel | None = None
         self._logged_unknown: set[str] = set()
 
@@ -96,12 +97,10 @@ class PodAttribution:
         self._wake = asyncio.Event()
         self._channel = grpc.aio.insecure_channel(f"unix://{self._socket}")
         await self.refresh()
-        self._task = asyncio.create_task(self._run(), name="pod-resources")
+        self.tasks.start("refresh", self._run)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self.tasks.stop()
         if self._channel is not None:
             await self._channel.close()
 

@@ -65,6 +65,8 @@ class NodePods:
     def readiness(self) -> tuple[bool, str]:
         if self.unavailable:
             return False, self.unavailable
+        if self._watch is not None and self._watch.problem:
+            return False, self._watch.problem
         return (True, "") if self.synced else (False, "waiting for the first list of pods")
 
     def _convert(self, pod) -> tuple:

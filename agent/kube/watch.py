@@ -21,6 +21,8 @@ import urllib3
 from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
+from agent.tasks import restarts
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -55,6 +57,8 @@ class ListWatch(Generic[T]):
         self._watch: watch.Watch | None = None
         self._thread: threading.Thread | None = None
         self.synced = False
+        self._seen: set[str] = set()  # unexpected errors whose traceback was logged
+        self.problem = ""  # the last unexpected failure, until a list succeeds again
         self.counters: Counter[str] = Counter()  # lists, events, relist_expired, error_<reason>
 
     def start(self) -> None:
@@ -84,6 +88,14 @@ class ListWatch(Generic[T]):
                 reason = f"http_{exc.status}"
             except (urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
                 reason = f"{type(exc).__name__}"
+            except Exception as exc:  # a bug, or an object of a shape nobody foresaw: relist, never end the watch
+                reason = f"unexpected_{type(exc).__name__}"
+                self._version = None
+                restarts[f"kube-watch/{self.name}"] += 1
+                log.error("kubernetes watch failed unexpectedly; relisting", exc_info=reason not in self._seen,
+                          extra={"watch": self.name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                self._seen.add(reason)
+                self.problem = f"{self.name} watch failed unexpectedly ({type(exc).__name__}); relisting"
             if self._stopping.is_set():
                 return
             self.counters[f"error_{reason}"] += 1
@@ -105,6 +117,7 @@ class ListWatch(Generic[T]):
                 objects[(item.metadata.namespace or "", item.metadata.name)] = converted
         self._objects = objects
         self._version = result.metadata.resource_version
+        self.problem = ""
         self._publish()
 
     def _follow(self) -> None:
