@@ -69,3 +69,47 @@ def small_fs():
     yield SmallFs(path)
     subprocess.run(["umount", "-l", str(path)], capture_output=True)
     shutil.rmtree(path, ignore_errors=True)
+
+
+PIDS_ROOT = Path("/sys/fs/cgroup/pids")
+
+
+class PidsLimit:
+    """A process in a pids cgroup of its own: the kernel refuses it new threads, as in a pod whose PID
+    limit is reached (Python raises RuntimeError: can't start new thread)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def hold(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def freeze(self) -> None:
+        """No thread more than the process has now."""
+        (self.path / "pids.max").write_text((self.path / "pids.current").read_text().strip())
+
+    def lift(self) -> None:
+        (self.path / "pids.max").write_text("max")
+
+    @property
+    def refused(self) -> int:
+        """Times the limit refused a new thread or process."""
+        return int((self.path / "pids.events").read_text().split()[1])
+
+
+@pytest.fixture
+def pids_limit():
+    if not (PIDS_ROOT / "cgroup.procs").exists():
+        pytest.skip("no cgroup v1 pids hierarchy at /sys/fs/cgroup/pids: a PID limit cannot be put on a process here")
+    path = PIDS_ROOT / f"npu-agent-test-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        path.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot create a pids cgroup (needs root and a writable /sys/fs/cgroup/pids): {exc}")
+    yield PidsLimit(path)
+    for pid in (path / "cgroup.procs").read_text().split():
+        try:
+            (PIDS_ROOT / "cgroup.procs").write_text(pid)
+        except OSError:  # the process is gone
+            pass
+    path.rmdir()

@@ -31,8 +31,9 @@ class DaemonPool:
             if self._idle:
                 self._idle -= 1  # an idle thread will take it
             elif self._threads < self._max:
+                # The kernel may refuse a thread (a pod's PID limit): then this pool does not have it.
+                threading.Thread(target=self._work, name=f"{self._name}-{self._threads + 1}", daemon=True).start()
                 self._threads += 1
-                threading.Thread(target=self._work, name=f"{self._name}-{self._threads}", daemon=True).start()
             # else: every thread is busy; the task waits in the queue
         self._tasks.put((future, fn, args))
         return future
