@@ -26,8 +26,11 @@ restarts: Counter[str] = Counter()  # "<component>/<task>" -> restarts (npu_agen
 class Tasks:
     """The long-lived tasks of one component."""
 
-    def __init__(self, component: str):
+    def __init__(self, component: str, backoff_first_s: float = BACKOFF_FIRST_S,
+                 healthy_after_s: float = HEALTHY_AFTER_S):
         self.component = component
+        self._backoff_first_s = backoff_first_s
+        self._healthy_after_s = healthy_after_s
         self._tasks: dict[str, asyncio.Task] = {}
         self._failures: dict[str, str] = {}  # task -> why it is not running as it should
         self._seen: set[tuple[str, str]] = set()  # (task, error type) whose traceback was logged
@@ -57,7 +60,7 @@ class Tasks:
 
     async def _supervise(self, name: str, body: Callable[[], Awaitable[None]], reset: Callable[[], None] | None) -> None:
         loop = asyncio.get_running_loop()
-        backoff = BACKOFF_FIRST_S
+        backoff = self._backoff_first_s
         healthy: asyncio.TimerHandle | None = None
         try:
             while True:
@@ -72,7 +75,7 @@ class Tasks:
                     if healthy is not None:
                         healthy.cancel()
                     if loop.time() - started >= BACKOFF_RESET_S:
-                        backoff = BACKOFF_FIRST_S
+                        backoff = self._backoff_first_s
                     key = f"{self.component}/{name}"
                     restarts[key] += 1
                     error = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -90,7 +93,7 @@ class Tasks:
                     except Exception:
                         log.exception("task reset failed; restarting it anyway",
                                       extra={"component": self.component, "task": name})
-                healthy = loop.call_later(HEALTHY_AFTER_S, self._failures.pop, name, None)
+                healthy = loop.call_later(self._healthy_after_s, self._failures.pop, name, None)
         finally:
             if healthy is not None:
                 healthy.cancel()
