@@ -1,0 +1,76 @@
+"""Every long-lived task of the agent runs supervised (agent.tasks): none can die silently.
+
+The agent runs in this process with every component enabled, against the stand-ins, so the test
+can list the asyncio tasks it created. A task the agent starts outside agent.tasks is either
+scoped to one request or connection (it ends with it; the list below says which) or a bug."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import agent
+from agent.cli import serve
+from agent.config import config_from_dict
+from tests.fakes.clusterd import ClusterdStandIn
+
+AGENT_DIR = str(Path(agent.__file__).parent)
+
+# Coroutines the agent runs per request or connection; each ends with what it serves.
+PER_REQUEST = {
+    "HttpEndpoint._serve",  # one HTTP connection
+    "TaskdProxy._read_acks",  # one worker stream's acknowledgements
+    "Upstream._deliver",  # one message on its way to a manager
+}
+
+
+def agent_tasks(*mine: asyncio.Task) -> list[tuple[str, str]]:
+    """(qualified name of the coroutine, task name) of the tasks running the agent's code."""
+    found = []
+    for task in asyncio.all_tasks():
+        coro = task.get_coro()
+        code = getattr(coro, "cr_code", None)
+        if code is not None and code.co_filename.startswith(AGENT_DIR) and task not in mine:
+            found.append((coro.__qualname__, task.get_name()))
+    return found
+
+
+def test_every_long_lived_task_runs_supervised(tmp_path, kube, monkeypatch):
+    standin, kubeconfig = kube
+    monkeypatch.setenv("KUBECONFIG", kubeconfig)
+    root = tmp_path / "profiling"
+    (root / "job-a" / "0").mkdir(parents=True)
+
+    async def main(clusterd_port: int) -> list[tuple[str, str]]:
+        config = config_from_dict({
+            "node_name": "test-node", "state_dir": str(tmp_path / "state"),
+            "log": {"level": "warning"},
+            "http": {"listen": "127.0.0.1:0"}, "grpc": {"listen": "127.0.0.1:0"},
+            "devices": {"backend": "simulated", "poll_interval_seconds": 1},
+            "clusterd": {"enabled": True, "address": f"127.0.0.1:{clusterd_port}"},
+            "kubernetes": {"enabled": True, "device_info_configmap": True,
+                           "pod_resources_socket": str(tmp_path / "kubelet.sock")},
+            "profiling": {"root": str(root)},
+            "datatrace": {"enabled": True, "root": str(tmp_path / "datatrace")},
+            "taskd_proxy": {"enabled": True, "listen": "127.0.0.1:0"},
+        }, environ={})
+        stop = asyncio.Event()
+        started: list = []
+        run = asyncio.create_task(serve(config, stop, on_started=started.append))
+        deadline = asyncio.get_running_loop().time() + 30
+        while not (started and started[0].supervisor.readiness()[0]):
+            assert asyncio.get_running_loop().time() < deadline, started and started[0].supervisor.readiness()
+            assert not run.done(), run.result()
+            await asyncio.sleep(0.05)
+        running = agent_tasks(run, asyncio.current_task())
+        stop.set()
+        assert await run == 0
+        return running
+
+    with ClusterdStandIn() as clusterd:
+        running = asyncio.run(main(clusterd.port))
+    supervised = {name for qualname, name in running if qualname == "Tasks._supervise"}
+    unsupervised = [(qualname, name) for qualname, name in running
+                    if qualname != "Tasks._supervise" and qualname not in PER_REQUEST]
+    assert not unsupervised, f"tasks outside agent.tasks: {unsupervised}"
+    assert {"clusterd-sink/delivery", "configmap-sink/writer", "pod-attribution/refresh"} <= supervised, supervised
