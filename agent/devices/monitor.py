@@ -220,18 +220,21 @@ class DeviceMonitor:
         self.counters["polls"] += 1
         try:
             reading = await self._blocking(f"read/{device.logic_id}", self.backend.read, device)
+            kind = reading.error
         except CallTimeout as exc:
-            reading = Reading(Health.UNKNOWN, None, str(exc))
+            # "no answer" and "the previous call has not returned yet" alternate while calls hang: one problem.
+            reading, kind = Reading(Health.UNKNOWN, None, str(exc)), "no answer"
         except Exception as exc:
             reading = Reading(Health.UNKNOWN, None, f"read failed: {exc!r}")
+            kind = reading.error
         if reading.error:
             self.counters["read_errors"] += 1
-        if reading.error != self._last_error.get(device.logic_id, ""):
+        if kind != self._last_error.get(device.logic_id, ""):
             # Log transitions only: a device that stays broken does not flood the log.
             if reading.error:
                 log.error("device read failed; its last known faults stay", extra={
                     "device": device.phy_id, "logic_id": device.logic_id, "reason": reading.error})
             else:
                 log.info("device read works again", extra={"device": device.phy_id, "logic_id": device.logic_id})
-            self._last_error[device.logic_id] = reading.error
+            self._last_error[device.logic_id] = kind
         self._observer.on_reading(device, reading, started_ms)

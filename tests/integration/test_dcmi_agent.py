@@ -83,6 +83,18 @@ def test_hung_driver_call_makes_devices_unknown_not_the_agent(start_agent):
                DEADLINE + 1, "health back after the hang")
 
 
+def test_a_driver_that_answers_late_every_time_is_logged_once_per_device(start_agent):
+    """Calls that take longer than call_timeout_seconds fail as "no answer" and then as "the previous
+    call has not returned yet", in turn: that is one problem, logged once, not at every poll."""
+    agent, fake = start_agent(devices={"poll_interval_seconds": 1})
+    fake.hang("dcmi_get_device_health", 1.7)
+    wait_until(lambda: agent.metric("npu_agent_driver_call_timeouts_total") >= 8 * 4, 30, "calls timing out")
+    failed = [r for r in agent.logs if r.get("msg") == "device read failed; its last known faults stay"]
+    assert sorted(r["device"] for r in failed) == sorted(phy(n) for n in range(8)), failed
+    fake.hang("dcmi_get_device_health", 0)
+    agent.wait_for_log("device read works again", timeout=DEADLINE + 5, device=phy(0))
+
+
 def test_real_tables_escalate_and_the_escalation_survives_a_restart(start_agent, reference_dir):
     faults = {"fault_code_file": str(reference_dir / "faultCode.json"),
               "customization_file": str(reference_dir / "faultCustomization.json")}
