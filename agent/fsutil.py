@@ -55,11 +55,10 @@ def read_state(path: Path, what: str, parse: Callable[[object], T], clock: Calla
         return parse(strict_json(raw))
     except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError, RecursionError) as exc:
         error = f"{type(exc).__name__}: {str(exc)[:200]}"
-    aside = path.with_name(f"{path.name}.corrupt-{int(clock())}")
+    aside = _aside(path, clock)
     try:
         os.replace(path, aside)
-        for old in sorted(path.parent.glob(f"{path.name}.corrupt-*"))[:-KEEP_ASIDE]:
-            old.unlink(missing_ok=True)
+        _prune_aside(path)
     except OSError as exc:
         aside = f"(not moved: {exc})"
     moved_aside[path.name] += 1
@@ -87,6 +86,28 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def keep_aside(path: Path, data: bytes, clock: Callable[[], float] = time.time) -> Path | None:
+    """Keep `data` cut from `path` (e.g. a corrupt log tail) as `<name>.corrupt-<unix time>`; best effort."""
+    aside = _aside(path, clock)
+    try:
+        atomic_write(aside, data)
+        _prune_aside(path)
+    except OSError as exc:
+        log.warning("cannot keep the cut data for inspection", extra={"path": str(aside), "error": str(exc)})
+        return None
+    moved_aside[path.name] += 1
+    return aside
+
+
+def _aside(path: Path, clock: Callable[[], float]) -> Path:
+    return path.with_name(f"{path.name}.corrupt-{int(clock())}")
+
+
+def _prune_aside(path: Path) -> None:
+    for old in sorted(path.parent.glob(f"{path.name}.corrupt-*"))[:-KEEP_ASIDE]:
+        old.unlink(missing_ok=True)
 
 
 def file_identity(path: str) -> tuple[int, int, int] | None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from agent.faults.engine import ActiveCode, DeviceState, Health
 from agent.faults.hub import Change
 from agent.faults.levels import Level
-from agent.fsutil import atomic_write
+from agent.fsutil import atomic_write, keep_aside, read_state, strict_json
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +58,18 @@ def _parse(line: bytes) -> dict:
     if int(line[:8], 16) != zlib.crc32(body):
         raise ValueError("checksum mismatch")
     try:
-        record = json.loads(body)
+        record = strict_json(body)
     except RecursionError:
         raise ValueError("nested too deeply") from None
     if not isinstance(record, dict):
         raise ValueError("not a JSON object")
     return record
+
+
+def _object(value) -> dict:
+    if not isinstance(value, dict):
+        raise TypeError(f"a JSON object was expected, not {type(value).__name__}")
+    return value
 
 
 def _int(value) -> int:
@@ -101,8 +107,8 @@ class FaultLog:
 
     def open(self) -> None:
         self._dir.mkdir(parents=True, exist_ok=True)
-        epoch = self._read_json(self._dir / "meta.json").get("epoch")
-        saved = self._read_json(self._dir / "cursors.json")
+        epoch = self._read_json(self._dir / "meta.json", "fault log metadata").get("epoch")
+        saved = self._read_json(self._dir / "cursors.json", "fault log cursors")
         self._sinks = self._read_sinks(saved, epoch)
         self.previous_clean = saved.get("clean") is True
         existed = self._path.exists()
@@ -131,18 +137,8 @@ class FaultLog:
                             extra={"path": str(self._path), "reasons": reasons, "revision": self.revision})
         self._save_cursors()  # until close() says otherwise, this run did not end cleanly
 
-    def _read_json(self, path: Path) -> dict:
-        try:
-            value = json.loads(path.read_text("utf-8"))
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError, RecursionError) as exc:
-            log.error("fault log metadata unreadable; ignored", extra={"path": str(path), "error": str(exc)})
-            return {}
-        if not isinstance(value, dict):
-            log.error("fault log metadata is not a JSON object; ignored", extra={"path": str(path)})
-            return {}
-        return value
+    def _read_json(self, path: Path, what: str) -> dict:
+        return read_state(path, what, _object) or {}
 
     def _read_sinks(self, saved: dict, epoch) -> dict[str, SinkEntry]:
         if "sinks" not in saved:  # the first format: {sink: revision} in the log's epoch
@@ -173,7 +169,7 @@ class FaultLog:
                     try:
                         record = _parse(line)
                         self._apply(record)
-                    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                    except (ValueError, KeyError, TypeError, AttributeError, ArithmeticError) as exc:
                         size = self._path.stat().st_size
                         self.truncated_bytes = size - good
                         corrupt = line.endswith(b"\n")  # an unfinished write never reached anyone
@@ -186,6 +182,9 @@ class FaultLog:
             return False
         if self.truncated_bytes:
             with open(self._path, "r+b") as handle:
+                if corrupt:  # not merely a write a crash left unfinished: keep it for inspection
+                    handle.seek(good)
+                    keep_aside(self._path, handle.read())
                 handle.truncate(good)
                 os.fsync(handle.fileno())
         self._size = good

@@ -114,15 +114,23 @@ def test_a_log_lost_or_cut_between_runs_starts_a_new_epoch_and_cursors_follow(tm
     assert (third.epoch, third.resets, third.cursor("clusterd")) == (again.epoch, [], again.revision)
 
 
-@pytest.mark.parametrize("content", ['["not", "an", "object"]', '{"sinks": {"clusterd": {"revision": "x"}}}', "{oops"])
-def test_cursors_of_the_wrong_shape_are_skipped_with_a_log_line(tmp_path, caplog, content):
+@pytest.mark.parametrize("content, aside", [
+    (b'["not", "an", "object"]', True), (b"{oops", True), (b'{"revision": NaN}', True), (b"\xff\xfe", True),
+    (b'{"sinks": {"clusterd": {"revision": 1e400, "epoch": "x"}}}', True),
+    (b'{"sinks": {"clusterd": {"revision": "x"}}}', False)])  # JSON of the right shape, one sink's entry wrong
+def test_cursors_of_the_wrong_shape_are_skipped_with_a_log_line(tmp_path, caplog, content, aside):
     log = opened(tmp_path)
     log.append([state(0)])
     log.close()
-    (tmp_path / "faultlog" / "cursors.json").write_text(content)
+    path = tmp_path / "faultlog" / "cursors.json"
+    path.write_bytes(content)
     again = opened(tmp_path)
     assert again.cursor("clusterd") is None and again.revision == 1
-    assert "cursor is malformed" in caplog.text or "metadata" in caplog.text
+    kept = [p.read_bytes() for p in path.parent.glob("cursors.json.corrupt-*")]
+    if aside:
+        assert "fault log cursors of the wrong shape; moved aside" in caplog.text and kept == [content]
+    else:
+        assert "cursor is malformed" in caplog.text and kept == []
 
 
 def test_the_first_cursor_format_is_read(tmp_path):
@@ -187,15 +195,18 @@ def test_compaction_keeps_what_a_lagging_sink_still_needs(tmp_path):
     assert size < 200_000
 
 
-@pytest.mark.parametrize("body", [b"[1]", b"5", b"[" * 100_000 + b"]" * 100_000, b'{"rev": 2, "state": {"phy": []}}'])
-def test_a_record_of_the_wrong_shape_is_a_corrupt_record(tmp_path, body):
+@pytest.mark.parametrize("body", [b"[1]", b"5", b"[" * 100_000 + b"]" * 100_000, b'{"rev": 2, "state": {"phy": []}}',
+                                  b'{"rev": 1e400, "state": {}}', b'{"rev": 2, "state": NaN}'])
+def test_a_record_of_the_wrong_shape_is_a_corrupt_record_kept_aside(tmp_path, body):
     log = opened(tmp_path)
     log.append([state(0)])
     log.close()
+    record = b"%08x %s\n" % (zlib.crc32(body), body)  # checksum right, content wrong
     with open(tmp_path / "faultlog" / "log", "ab") as handle:
-        handle.write(b"%08x %s\n" % (zlib.crc32(body), body))  # checksum right, content wrong
+        handle.write(record)
     again = opened(tmp_path)
     assert again.revision == 1 and any("corrupt record" in r for r in again.resets)
+    assert [p.read_bytes() for p in (tmp_path / "faultlog").glob("log.corrupt-*")] == [record]
 
 
 @pytest.mark.parametrize("content", ['{"epoch": 7}', '{"epoch": ["x"]}', "[" * 100_000 + "]" * 100_000])
