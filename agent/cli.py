@@ -7,6 +7,7 @@ import asyncio
 import gc
 import importlib
 import logging
+import math
 import platform
 import signal
 import sys
@@ -20,6 +21,21 @@ from agent.errors import ConfigError
 log = logging.getLogger("agent")
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+MAX_SECONDS = 30 * 86400  # longer waits are mistakes (and overflow the C timeouts beneath)
+
+
+def seconds(zero_ok: bool):
+    """An argparse type: a finite number of seconds, > 0 (or >= 0 when `zero_ok`), at most MAX_SECONDS."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and (0 <= value if zero_ok else 0 < value) and value <= MAX_SECONDS):
+            raise argparse.ArgumentTypeError(
+                f"expected seconds {'>=' if zero_ok else '>'} 0 and <= {MAX_SECONDS}, got {text[:40]!r}")
+        return value
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--config", help="YAML configuration file (every key optional)")
 
     demo = commands.add_parser("demo", help="the whole agent on a simulated 8-NPU node with scripted faults")
-    demo.add_argument("--duration", type=float, default=100.0, help="seconds to run (0: until Ctrl-C); default 100")
-    demo.add_argument("--slow-after", type=float, default=60.0, metavar="S",
+    demo.add_argument("--duration", type=seconds(zero_ok=True), default=100.0, help="seconds to run (0: until Ctrl-C); default 100")
+    demo.add_argument("--slow-after", type=seconds(zero_ok=True), default=60.0, metavar="S",
                       help="seconds until rank 5 of the simulated training job gets 15 %% slower; default 60")
     demo.add_argument("--workdir", help="where the demo writes its configuration, state and log (default: a new temp dir)")
 
@@ -42,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     faults.add_argument("--target", default="127.0.0.1:9411", help="the agent's gRPC address (default 127.0.0.1:9411)")
     faults.add_argument("--follow", action="store_true", help="keep printing changes")
     faults.add_argument("--json", action="store_true", help="one JSON object per faulty device per line")
-    faults.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the agent (default 5)")
+    faults.add_argument("--timeout", type=seconds(zero_ok=False), default=5.0, help="seconds to wait for the agent (default 5)")
 
     commands.add_parser("version", help="version and build information")
 

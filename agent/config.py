@@ -7,16 +7,18 @@ silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import math
 import os
 import re
 import socket
+import stat
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import yaml
 
-from agent.errors import ConfigError
+from agent.errors import ConfigError, quote
 from agent.faults.levels import Level
 
 
@@ -138,47 +140,126 @@ class Config:
 def load_config(path: str | None, environ: typing.Mapping[str, str] | None = None) -> Config:
     """Read, override from the environment, and validate; raises ConfigError listing every problem."""
     environ = os.environ if environ is None else environ
-    document: object = {}
-    if path:
-        try:
-            document = yaml.safe_load(Path(path).read_text("utf-8")) or {}
-        except OSError as exc:
-            raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
-            raise ConfigError([f"{path}: invalid YAML{where}: {getattr(exc, 'problem', None) or exc}"]) from None
-    problems: list[str] = []
-    config = _build(Config, document, "", problems)
-    if problems:
-        raise ConfigError(problems)
-    _apply_environment(config, environ)
-    problems = validate(config)
-    if problems:
-        raise ConfigError(problems)
-    return config
+    document = (load_yaml(read_config_file(path), path) or {}) if path else {}
+    return config_from_dict(document, environ)
 
 
-def config_from_dict(document: dict, environ: typing.Mapping[str, str] | None = None) -> Config:
+def config_from_dict(document: object, environ: typing.Mapping[str, str] | None = None) -> Config:
     """The same as `load_config` for an in-memory document (used by `demo` and tests)."""
     problems: list[str] = []
     config = _build(Config, document, "", problems)
     if problems:
         raise ConfigError(problems)
-    _apply_environment(config, {} if environ is None else environ)
-    problems = validate(config)
+    problems = _apply_environment(config, {} if environ is None else environ) + validate(config)
     if problems:
         raise ConfigError(problems)
     return config
 
 
-def _apply_environment(config: Config, environ: typing.Mapping[str, str]) -> None:
+# Far above any real configuration, rule or scenario file (a ConfigMap holds at most 1 MiB).
+MAX_FILE_BYTES = 4 << 20
+# Nodes a YAML document may expand to through its aliases (a real configuration has a few hundred):
+# a few lines of nested aliases ("billion laughs") would otherwise stand for billions of values.
+MAX_YAML_NODES = 100_000
+
+
+def read_config_file(path: str) -> str:
+    """The text of a configuration, rule or scenario file; ConfigError (one line naming it) unless it
+    is a regular UTF-8 file of at most MAX_FILE_BYTES. Opened without blocking, so a FIFO (which
+    would wait for a writer) or a device is refused at once."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+            raise ConfigError([f"{path}: cannot read: {kind}, not a regular file"])
+        data = b""
+        while len(data) <= MAX_FILE_BYTES and (chunk := os.read(fd, 1 << 20)):
+            data += chunk
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError([f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB; not read"])
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})"]) from None
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader (the pure-Python one, whose composer can be checked) that refuses a
+    document expanding past MAX_YAML_NODES through aliases, or referring to itself."""
+
+    def compose_document(self):
+        node = super().compose_document()
+        _check_expansion(node)
+        return node
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Count the nodes `root` stands for with every alias expanded (once per distinct node, iteratively)."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in sizes:
+            continue
+        children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+                    else node.value if isinstance(node, yaml.SequenceNode) else [])
+        if children_done:
+            open_nodes.discard(id(node))
+            sizes[id(node)] = size = 1 + sum(sizes[id(child)] for child in children)
+            if size > MAX_YAML_NODES:
+                raise yaml.composer.ComposerError(
+                    None, None, f"expands to more than {MAX_YAML_NODES} values through its aliases", node.start_mark)
+            continue
+        if id(node) in open_nodes:
+            raise yaml.composer.ComposerError(None, None, "an alias refers to its own anchor", node.start_mark)
+        open_nodes.add(id(node))
+        stack.append((node, True))
+        stack.extend((child, False) for child in children if id(child) not in sizes)
+
+
+def load_yaml(text: str, path: str) -> object:
+    """The document in `text`; ConfigError naming `path` (and the line) when it is not usable YAML."""
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        reason = getattr(exc, "problem", None) or exc
+    except RecursionError:
+        where, reason = "", "nested too deeply"
+    except ValueError as exc:  # e.g. an integer of more than 4,300 digits
+        where, reason = "", exc
+    raise ConfigError([f"{path}: invalid YAML{where}: {reason}"])
+
+
+def _apply_environment(config: Config, environ: typing.Mapping[str, str]) -> list[str]:
     if not config.node_name:
-        config.node_name = environ.get("NODE_NAME") or socket.gethostname()
-    server_ip = environ.get("MINDX_SERVER_IP")
-    if server_ip:
+        # Kubernetes names a node after its host name in lower case.
+        config.node_name = environ.get("NODE_NAME") or socket.gethostname().lower()
+    server_ip = environ.get("MINDX_SERVER_IP", "").strip()
+    if not server_ip or not config.clusterd.enabled:
+        return []
+    try:
+        host = ipaddress.ip_address(server_ip.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        if not _DNS_NAME.fullmatch(server_ip):
+            return [f"MINDX_SERVER_IP: {quote(server_ip)} is not an IP address or host name"]
+        host = server_ip
+    try:
         _, port = split_host_port(config.clusterd.address)
-        config.clusterd.address = f"{server_ip}:{port}"
+    except ValueError:
+        return []  # validate() names clusterd.address
+    config.clusterd.address = f"[{host}]:{port}" if isinstance(host, ipaddress.IPv6Address) else f"{host}:{port}"
+    return []
 
 
 def _build(cls: type, document: object, prefix: str, problems: list[str]):
@@ -208,19 +289,22 @@ def _check_scalar(hint, value, path: str, problems: list[str]):
     if hint is bool:
         if isinstance(value, bool):
             return value
-        problems.append(f"{path}: expected true or false, got {value!r}")
+        problems.append(f"{path}: expected true or false, got {quote(value)}")
     elif hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        problems.append(f"{path}: expected an integer, got {value!r}")
+        problems.append(f"{path}: expected an integer, got {quote(value)}")
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        problems.append(f"{path}: expected a number, got {value!r}")
+            if math.isfinite(value):
+                return float(value)
+            problems.append(f"{path}: expected a finite number, got {quote(value)}")
+        else:
+            problems.append(f"{path}: expected a number, got {quote(value)}")
     elif hint is str:
         if isinstance(value, str):
             return value
-        problems.append(f"{path}: expected a string, got {value!r} (quote it)")
+        problems.append(f"{path}: expected a string, got {quote(value)} (quote it)")
     elif typing.get_origin(hint) is dict:
         if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
             return dict(value)
@@ -230,13 +314,16 @@ def _check_scalar(hint, value, path: str, problems: list[str]):
     return None
 
 
+# A node name as ClusterD (agent/faults/pubfault.py) and Kubernetes accept it: a DNS-1123 subdomain.
+NODE_NAME = re.compile(r"^[a-z0-9]([a-z0-9\-.]{0,251}[a-z0-9])?$")
+_DNS_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9\-.]{0,251}[A-Za-z0-9])?")
 _HOST_PORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[^:\s]+):(?P<port>\d{1,5})$")
 
 
 def split_host_port(text: str) -> tuple[str, int]:
     match = _HOST_PORT.match(text)
     if not match or not 0 <= int(match["port"]) <= 65535:
-        raise ValueError(f"{text!r} is not HOST:PORT")
+        raise ValueError(f"{quote(text)} is not HOST:PORT")
     return match["host"].strip("[]"), int(match["port"])
 
 
@@ -254,15 +341,19 @@ def validate(config: Config) -> list[str]:
             problems.append(f"{path}: {exc}")
 
     check(config.log.level in ("debug", "info", "warning", "error"), "log.level",
-          f"{config.log.level!r} is not one of debug, info, warning, error")
-    check(config.log.format in ("json", "text"), "log.format", f"{config.log.format!r} is not json or text")
+          f"{quote(config.log.level)} is not one of debug, info, warning, error")
+    check(config.log.format in ("json", "text"), "log.format", f"{quote(config.log.format)} is not json or text")
+    check(bool(NODE_NAME.fullmatch(config.node_name)), "node_name",
+          f"{quote(config.node_name)} is not a node name ClusterD and Kubernetes accept (lower-case letters, "
+          "digits, '-' and '.', starting and ending with a letter or digit, at most 253 characters); "
+          "set node_name or NODE_NAME")
     check(bool(config.state_dir), "state_dir", "must not be empty")
     check_listen("http.listen", config.http.listen)
     check_listen("grpc.listen", config.grpc.listen)
     check_listen("clusterd.address", config.clusterd.address)
     check_listen("taskd_proxy.listen", config.taskd_proxy.listen)
     devices = config.devices
-    check(devices.backend in ("dcmi", "simulated"), "devices.backend", f"{devices.backend!r} is not dcmi or simulated")
+    check(devices.backend in ("dcmi", "simulated"), "devices.backend", f"{quote(devices.backend)} is not dcmi or simulated")
     check(0.2 <= devices.poll_interval_seconds <= 3600, "devices.poll_interval_seconds",
           f"{devices.poll_interval_seconds} is out of range 0.2..3600")
     check(0.05 <= devices.call_timeout_seconds <= 60, "devices.call_timeout_seconds",
@@ -278,7 +369,7 @@ def validate(config: Config) -> list[str]:
         check(level in Level.__members__ and level != "NormalNPU", f"clusterd.public_codes.{level}",
               "is not a fault level")
         check(bool(re.fullmatch(r"\d{9}", code)), f"clusterd.public_codes.{level}",
-              f"{code!r} is not a 9-digit public fault code")
+              f"{quote(code)} is not a 9-digit public fault code")
     check(30 <= config.clusterd.reconcile_interval_seconds <= 86400, "clusterd.reconcile_interval_seconds",
           f"{config.clusterd.reconcile_interval_seconds} is out of range 30..86400")
     check(0 <= config.profiling.disk_limit_mb, "profiling.disk_limit_mb",

@@ -15,14 +15,17 @@ from typing import Callable, Protocol
 
 from agent.devices.base import BackendError, DeviceBackend, DeviceInfo, DriverEvent, Reading
 from agent.devices.pool import DaemonPool
+from agent.errors import Once
 from agent.ratelimit import TokenBucket
 from agent.faults.codes import RESET_FINISH_CODE
-from agent.faults.engine import Health
+from agent.faults.engine import Assertion, Health
+from agent.tasks import Tasks
 
 log = logging.getLogger(__name__)
 
 RECOVER_DELAY_S = 1.0  # a recover event races the error-code list; confirm it by a poll this much later
 OPEN_RETRY_S = 30.0
+KNOWN_ASSERTIONS = frozenset(Assertion)
 
 
 class FaultObserver(Protocol):
@@ -51,18 +54,22 @@ class DeviceMonitor:
         self._bucket = TokenBucket(event_rate_per_minute / 60.0, event_rate_per_minute, time.monotonic)
         self._executor: DaemonPool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._main: asyncio.Task | None = None
+        self.tasks = Tasks(self.name)
+        self._inventory_sent = False  # the observer has the devices (steps of `_run` done, for a restart)
+        self._subscribed = False
         self._stuck: set[str] = set()  # calls still blocked in the driver
         self._polls: dict[int, asyncio.Task] = {}  # logic id -> running poll
         self._scheduled: dict[int, asyncio.TimerHandle] = {}
         self._by_logic: dict[int, DeviceInfo] = {}
         self._last_error: dict[int, str] = {}
-        self._unknown_logged: set[int] = set()
+        self._first_unknown = Once()  # ("device", logic id) / ("assertion", value) logged
         self.devices: list[DeviceInfo] = []
         self.error = "not started"
         self.events_error = ""
         self.polled_once = False
-        self.counters = {"events": 0, "events_dropped": 0, "polls": 0, "call_timeouts": 0, "read_errors": 0}
+        # events: for a known device with an assertion the agent knows; events_skipped: any other
+        self.counters = {"events": 0, "events_dropped": 0, "events_skipped": 0, "polls": 0, "call_timeouts": 0,
+                         "read_errors": 0}
 
     # ---- component ----------------------------------------------------------------------------
 
@@ -70,11 +77,10 @@ class DeviceMonitor:
         self._loop = asyncio.get_running_loop()
         # Threads are started on demand; the bound leaves room for every device to have one stuck call.
         self._executor = DaemonPool(max_threads=72, name="driver")
-        self._main = asyncio.create_task(self._run(), name="device-monitor")
+        self.tasks.start("main", self._run, reset=self._reset)
 
     async def stop(self) -> None:
-        if self._main is not None:
-            self._main.cancel()
+        await self.tasks.stop()
         for handle in self._scheduled.values():
             handle.cancel()
         for task in self._polls.values():
@@ -112,12 +118,22 @@ class DeviceMonitor:
             raise CallTimeout(f"{key}: no answer within {timeout or self._call_timeout_s:g}s") from None
 
     async def _run(self) -> None:
-        await self._open()
-        await self._subscribe()
+        # After a failure the run goes on from the step that failed: the driver is opened and
+        # subscribed to once (libdcmi has no unsubscribe: a second subscription doubles every event).
+        if not self._inventory_sent:
+            await self._open()
+        if not self._subscribed:
+            await self._subscribe()
         while True:
             await self._poll_all()
             self.polled_once = True
             await asyncio.sleep(self._poll_interval_s)
+
+    def _reset(self) -> None:
+        """Before a restart of `_run`: devices the observer may not have taken in are listed again."""
+        if not self._inventory_sent:
+            self.devices, self._by_logic = [], {}
+            self.error = "device inventory failed; listing the devices again"
 
     async def _open(self) -> None:
         last = ""
@@ -127,8 +143,6 @@ class DeviceMonitor:
                 break
             except (BackendError, CallTimeout) as exc:
                 self.error = f"{self.backend.name} backend unavailable: {exc}"
-            except Exception as exc:  # a driver misbehaving in a way we did not foresee
-                self.error = f"{self.backend.name} backend failed: {exc!r}"
             if self.error != last:
                 log.error("devices unavailable; retrying", extra={"reason": self.error, "retry_s": self._open_retry_s})
                 last = self.error
@@ -139,12 +153,16 @@ class DeviceMonitor:
         log.info("devices found", extra={"backend": self.backend.name, "count": len(devices),
                                          "devices": [f"logic {d.logic_id} = phy {d.phy_id} ({d.model_name})" for d in devices]})
         self._observer.on_inventory(devices)
+        self._inventory_sent = True
 
     async def _subscribe(self) -> None:
+        self._subscribed = True  # even if the call fails or hangs: it may have registered the callback
         try:
             why = await self._blocking("subscribe", self.backend.subscribe, self._on_driver_event)
         except CallTimeout as exc:
             why = str(exc)
+        except Exception as exc:  # a driver refusing in a way not foreseen: polling still works
+            why = f"subscribe failed: {exc!r}"
         self.events_error = why
         if why:
             log.warning("fault events unavailable; relying on polling",
@@ -166,10 +184,8 @@ class DeviceMonitor:
 
     def _handle_event(self, event: DriverEvent) -> None:
         device = self._by_logic.get(event.logic_id)
-        if event.code == 0 or device is None:
-            if device is None and event.logic_id not in self._unknown_logged:
-                self._unknown_logged.add(event.logic_id)
-                log.warning("fault event for an unknown device skipped", extra={"logic_id": event.logic_id})
+        if event.code == 0 or device is None or event.assertion not in KNOWN_ASSERTIONS:
+            self._skip(event, device)
             return
         self.counters["events"] += 1
         if not self._bucket.take():
@@ -183,6 +199,19 @@ class DeviceMonitor:
             self._schedule_poll(device, RECOVER_DELAY_S)
         else:
             self._observer.on_event(device, event)
+
+    def _skip(self, event: DriverEvent, device: DeviceInfo | None) -> None:
+        """Count an event that cannot be applied; log the first of each unknown device and assertion
+        value (a driver sending thousands is counted, not logged thousands of times)."""
+        self.counters["events_skipped"] += 1
+        if event.code == 0:
+            return
+        if device is None:
+            if self._first_unknown(("device", event.logic_id)):
+                log.warning("fault event for an unknown device skipped", extra={"logic_id": event.logic_id})
+        elif self._first_unknown(("assertion", event.assertion)):
+            log.warning("fault event with an unknown assertion skipped", extra={
+                "device": device.phy_id, "code": f"{event.code:08X}", "assertion": event.assertion})
 
     # ---- polling ------------------------------------------------------------------------------
 

@@ -6,9 +6,9 @@ import json
 import re
 from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import Path
 
-from agent.errors import ConfigError, file_problem
+from agent.config import read_config_file
+from agent.errors import ConfigError, clip, file_problem, quote
 from agent.faults.levels import NETWORK_LEVELS, Level
 
 # faultCode.json keys, checked in this order: the first bucket holding a code decides its level,
@@ -46,7 +46,7 @@ def parse_code(text: str) -> int:
     """A code as the tables and the driver spell it: hex digits, optional 0x."""
     body = text[2:] if text[:2].lower() == "0x" else text
     if not _HEX.match(body):
-        raise ValueError(f"{text!r} is not a hexadecimal fault code")
+        raise ValueError(f"{quote(text)} is not a hexadecimal fault code")
     return int(body, 16)
 
 
@@ -80,7 +80,7 @@ def parse_fault_code_table(document: object, source: str) -> FaultCodeTable:
     for key in document:
         if key not in CHIP_BUCKETS and key not in NETWORK_BUCKETS:
             known = ", ".join([*CHIP_BUCKETS, *NETWORK_BUCKETS])
-            problems.append(file_problem(source, key, f"unknown key (known: {known})"))
+            problems.append(file_problem(source, clip(key, 80), f"unknown key (known: {known})"))
 
     chip: dict[int, Level] = {}
     network: dict[int, Level] = {}
@@ -95,7 +95,7 @@ def parse_fault_code_table(document: object, source: str) -> FaultCodeTable:
         for index, item in enumerate(value):
             try:
                 if not isinstance(item, str):
-                    raise ValueError(f"{item!r} is not a string")
+                    raise ValueError(f"{quote(item)} is not a string")
                 code = parse_code(item.strip())
             except ValueError as exc:
                 problems.append(file_problem(source, f"{key}[{index}]", str(exc)))
@@ -147,13 +147,14 @@ def load_fault_code_table(path: str) -> FaultCodeTable:
 
 
 def read_json_file(path: str) -> object:
-    try:
-        text = Path(path).read_text("utf-8")
-    except OSError as exc:
-        raise ConfigError([file_problem(path, "", f"cannot read: {exc.strerror or exc}")]) from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError([file_problem(path, "", f"not UTF-8 text ({exc.reason} at byte {exc.start})")]) from None
+    """The JSON document in the rule file at `path`; ConfigError naming the file when it cannot be used."""
+    text = read_config_file(path)
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError([file_problem(path, "", f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}")]) from None
+        reason = f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+    except RecursionError:
+        reason = "invalid JSON: nested too deeply"
+    except ValueError as exc:  # e.g. an integer of more than 4,300 digits
+        reason = f"invalid JSON: {exc}"
+    raise ConfigError([file_problem(path, "", reason)])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from agent.errors import ConfigError, file_problem
+from agent.errors import ConfigError, clip, file_problem, quote
 from agent.faults.codes import parse_code, read_json_file
 from agent.faults.levels import Level
 
@@ -71,7 +71,7 @@ def parse_customization(document: object, source: str) -> Customization:
         raise ConfigError([file_problem(source, "", "expected a JSON object")])
     for key in document:
         if key not in ("GraceTolerance", "FaultFrequency", "FaultDuration"):
-            problems.append(file_problem(source, key, "unknown key (known: GraceTolerance, FaultFrequency, FaultDuration)"))
+            problems.append(file_problem(source, clip(key, 80), "unknown key (known: GraceTolerance, FaultFrequency, FaultDuration)"))
 
     reader = _Reader(source, problems)
     grace: dict[str, int] = {}
@@ -79,7 +79,7 @@ def parse_customization(document: object, source: str) -> Customization:
     if isinstance(tolerance, dict):
         for key, value in tolerance.items():
             if key not in ("WaitProcessReadCMTime", "WaitDeviceResetTime", "WaitFaultSelfHealingTime"):
-                problems.append(file_problem(source, f"GraceTolerance.{key}", "unknown key"))
+                problems.append(file_problem(source, f"GraceTolerance.{clip(key, 80)}", "unknown key"))
                 continue
             number = reader.integer(tolerance, key, f"GraceTolerance.{key}", required=True)
             if number is not None:
@@ -151,7 +151,7 @@ class _Reader:
                 self.problem(where, "expected an object")
                 continue
             for extra in sorted(set(rule) - self._ALLOWED[key]):
-                self.problem(f"{where}.{extra}", f"unknown key (known: {', '.join(sorted(self._ALLOWED[key]))})")
+                self.problem(f"{where}.{clip(extra, 80)}", f"unknown key (known: {', '.join(sorted(self._ALLOWED[key]))})")
             yield where, rule
 
     def codes(self, rule: dict, where: str) -> frozenset[int] | None:
@@ -163,7 +163,7 @@ class _Reader:
         for index, item in enumerate(value):
             try:
                 if not isinstance(item, str):
-                    raise ValueError(f"{item!r} is not a string")
+                    raise ValueError(f"{quote(item)} is not a string")
                 codes.add(parse_code(item.strip()))
             except ValueError as exc:
                 self.problem(f"{where}.EventId[{index}]", str(exc))
@@ -178,7 +178,7 @@ class _Reader:
         value = rule[key]
         low, high = RANGES[key]
         if isinstance(value, bool) or not isinstance(value, int):
-            self.problem(where, f"{value!r} is not an integer (allowed range {low}..{high})")
+            self.problem(where, f"{quote(value)} is not an integer (allowed range {low}..{high})")
             return None
         if not low <= value <= high:
             self.problem(where, f"{value} is out of range (allowed range {low}..{high})")
@@ -189,6 +189,6 @@ class _Reader:
         value = rule.get("FaultHandling")
         names = ", ".join(level.name for level in sorted(allowed))
         if not isinstance(value, str) or value not in Level.__members__ or Level[value] not in allowed:
-            self.problem(where, f"{value!r} is not allowed here (allowed: {names})")
+            self.problem(where, f"{quote(value)} is not allowed here (allowed: {names})")
             return None
         return Level[value]

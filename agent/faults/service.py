@@ -1,7 +1,8 @@
 """The fault component: feeds driver observations to the engine and publishes what changed.
 
-It owns the engine's surroundings: the rule tables and their reload on change, the escalation
-history in `state_dir`, and the timer that lets time-based rules fire without new input.
+It owns the engine's surroundings: the rule tables and their reload on change (read off the event
+loop), the escalation history in `state_dir`, and the timer that lets time-based rules fire without
+new input.
 
 Changes reach the hub and the sinks only once they are in the durable fault log. While the log
 cannot be written (disk full, read-only), the latest state of each changed device waits here and
@@ -19,7 +20,8 @@ from typing import Callable
 
 from agent.config import FaultsConfig
 from agent.devices.base import DeviceInfo, DriverEvent, Reading
-from agent.errors import ConfigError
+from agent.devices.pool import DaemonPool
+from agent.errors import MAX_PROBLEMS, ConfigError, Once
 from agent.faults.codes import FaultCodeTable, load_fault_code_table
 from agent.faults.customization import Customization, load_customization
 from agent.faults.engine import Assertion, DeviceState, EngineSettings, FaultEngine
@@ -28,6 +30,7 @@ from agent.faults.log import FaultLog
 from agent.faults.levels import Level
 from agent.fsutil import WriteRetry, atomic_write, file_identity, read_state
 from agent.faults.pubfault import MIN_TIME_MS
+from agent.tasks import Tasks
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +82,14 @@ class FaultService:
         self.reloads = {"success": 0, "failure": 0}
         self._history_loaded = False
         self._timer: asyncio.TimerHandle | None = None
-        self._reload_task: asyncio.Task | None = None
+        self.tasks = Tasks(self.name)
+        # Rule files are read here: a file on a hung file system holds up this thread, never the loop
+        # (nor SIGTERM: the thread is a daemon).
+        self._files = DaemonPool(max_threads=1, name="rule-files")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started_ms = self._now_ms()
         self.clamped_times = 0  # driver fault times older than this process, replaced by when it saw them
-        self._clamped_logged: set[tuple[int, int]] = set()
+        self._clamped_first = Once()  # (device, code) whose clamped time was logged
         self._unwritten: dict[int, DeviceState] = {}  # changes waiting for the fault log to be writable
         self._retry: asyncio.TimerHandle | None = None
         self._log_writes, self._history_writes = WriteRetry("fault log"), WriteRetry("escalation history")
@@ -93,11 +99,11 @@ class FaultService:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._reload_task = asyncio.create_task(self._watch_files(), name="fault-rule-reload")
+        self.tasks.start("rule-reload", self._watch_files, reset=self._forget_files)
 
     async def stop(self) -> None:
-        if self._reload_task is not None:
-            self._reload_task.cancel()
+        await self.tasks.stop()
+        self._files.close()
         for timer in (self._timer, self._retry):
             if timer is not None:
                 timer.cancel()
@@ -138,10 +144,7 @@ class FaultService:
         self._publish(changes)
 
     def on_event(self, device: DeviceInfo, event: DriverEvent) -> None:
-        if event.assertion not in (0, 1, 2):
-            log.warning("fault event with an unknown assertion skipped",
-                        extra={"device": device.phy_id, "code": f"{event.code:08X}", "assertion": event.assertion})
-            return
+        """An event whose assertion is occur, recover or once (the monitor skips any other)."""
         now = self._now_ms()
         # The driver's clock, in whole seconds: a time before this process started cannot be checked
         # against anything this process saw (a stale or broken clock reports 1970 or last year).
@@ -165,8 +168,7 @@ class FaultService:
         if time_ms >= max(oldest_ms, MIN_TIME_MS):
             return time_ms
         self.clamped_times += 1
-        if (phy_id, code) not in self._clamped_logged:
-            self._clamped_logged.add((phy_id, code))
+        if self._clamped_first((phy_id, code)):
             log.warning("fault time too old to be true; using when the agent first saw the fault", extra={
                 "device": phy_id, "code": f"{code:08X}", "fault_time_ms": time_ms, "now_ms": now_ms})
         return now_ms
@@ -241,34 +243,48 @@ class FaultService:
         return tuple(file_identity(p) if p else None
                      for p in (self._config.fault_code_file, self._config.customization_file))
 
+    def _load_if_changed(self, watched: tuple) -> tuple[tuple, object]:
+        """(identities now, None when they are `watched`, else the tables or the ConfigError); blocking."""
+        current = self._identities()
+        if current == watched:
+            return current, None
+        try:
+            return current, load_tables(self._config)
+        except ConfigError as exc:
+            return current, exc
+
     async def _watch_files(self) -> None:
         while True:
             await asyncio.sleep(self._reload_interval_s)
-            current = self._identities()
-            if current == self._watched:
-                continue
-            self._watched = current
-            self.reload()
+            current, loaded = await asyncio.wrap_future(self._files.submit(self._load_if_changed, self._watched))
+            if loaded is not None:
+                self._watched = current
+                self._apply(loaded)
 
-    def reload(self) -> bool:
-        """Load the rule files again; a bad file keeps the rules in force and says why."""
-        try:
-            table, customization = load_tables(self._config)
-        except ConfigError as exc:
+    def _forget_files(self) -> None:
+        """Before a restart of the watcher: read the files again, whatever the failed run saw of them."""
+        self._watched = ()
+
+    def _apply(self, loaded: tuple[FaultCodeTable, Customization] | ConfigError) -> None:
+        """New rules in force, or a bad file that keeps the rules in force and says why."""
+        if isinstance(loaded, ConfigError):
             self.reloads["failure"] += 1
-            self._table_error = "; ".join(exc.problems)
-            log.error("fault rule reload failed; the previous rules stay in force", extra={"problems": exc.problems})
-            return False
+            self._table_error = "; ".join(loaded.problems)
+            log.error("fault rule reload failed; the previous rules stay in force", extra={"problems": loaded.problems})
+            return
+        table, customization = loaded
         self.reloads["success"] += 1
         self._table_error = ""
         self._log_table(table, customization)
         self._publish(self.engine.reconfigure(table, customization, self._now_ms()))
-        return True
 
     @staticmethod
     def _log_table(table: FaultCodeTable, customization: Customization) -> None:
-        for warning in (*table.warnings, *customization.warnings):
+        warnings = [*table.warnings, *customization.warnings]
+        for warning in warnings[:MAX_PROBLEMS]:
             log.warning(warning)
+        if len(warnings) > MAX_PROBLEMS:
+            log.warning("more fault rule warnings not logged", extra={"count": len(warnings) - MAX_PROBLEMS})
         log.info("fault rules loaded", extra={
             "fault_codes": table.source, "codes": len(table), "customization": customization.source,
             "frequency_rules": len(set(customization.frequency.values())),

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
+import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -201,3 +204,87 @@ def test_a_listening_port_is_exclusive_and_a_taken_one_is_one_line_naming_the_ke
             assert "Traceback" not in result.stderr
     finally:
         first.stop()
+
+
+def alias_bomb(levels: int) -> str:
+    """A YAML "billion laughs": `levels` lines of nine aliases each stand for 9**levels strings."""
+    names = [f"l{i}" for i in range(levels)]
+    lines = [f"{names[0]}: &{names[0]} [{', '.join(['lol'] * 9)}]"]
+    lines += [f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]" for prev, name in zip(names, names[1:])]
+    return "\n".join([*lines, f"node_name: *{names[-1]}", ""])
+
+
+def unusable_file(path: Path, kind: str) -> None:
+    if kind == "not UTF-8":
+        path.write_bytes(b"node_name: caf\xe9\n")
+    elif kind == "a directory":
+        path.mkdir()
+    elif kind == "a FIFO":
+        os.mkfifo(path)
+    elif kind == "an alias bomb":
+        path.write_text(alias_bomb(6))  # 531,441 strings: a 3 MB error message once
+    elif kind == "nested too deeply":
+        path.write_text("[" * 100_000)
+    elif kind == "too large":
+        path.write_text("# " + "x" * (5 << 20) + "\n")
+
+
+@pytest.mark.parametrize("command", ["run", "check-config"])
+@pytest.mark.parametrize("kind", ["not UTF-8", "a directory", "a FIFO", "an alias bomb", "nested too deeply",
+                                  "too large"])
+def test_an_unusable_config_file_is_one_short_line_naming_it_and_exit_2(tmp_path, command, kind):
+    path = tmp_path / "agent.yaml"
+    unusable_file(path, kind)
+    result = cli(*(["run", "--config"] if command == "run" else ["check-config"]), str(path), timeout=30)
+    assert result.returncode == 2, result.stderr[-2000:]
+    [line] = result.stderr.splitlines()
+    assert str(path) in line and len(line) < 300, line
+
+
+def test_a_yaml_alias_used_sparingly_still_works(tmp_path):
+    path = tmp_path / "agent.yaml"
+    path.write_text("devices: &d {backend: simulated}\nlog: {level: &l info}\n")
+    assert cli("check-config", str(path)).returncode == 0
+
+
+def test_a_node_name_clusterd_would_refuse_is_refused_by_check_config_and_run(tmp_path):
+    path = tmp_path / "agent.yaml"
+    path.write_text(yaml.safe_dump({"node_name": "GPU_Node1", "state_dir": str(tmp_path / "state"),
+                                    "devices": {"backend": "simulated"},
+                                    "http": {"listen": "127.0.0.1:0"}, "grpc": {"listen": "127.0.0.1:0"}}))
+    for command in (["check-config"], ["run", "--config"]):
+        result = cli(*command, str(path), timeout=30)
+        assert result.returncode == 2, result.stderr[-2000:]
+        [line] = result.stderr.splitlines()
+        assert "node_name: 'GPU_Node1' is not a node name ClusterD and Kubernetes accept" in line
+
+
+@pytest.mark.parametrize("scenario,message", [
+    ({"steps": [{"at": 1, "device": 0, "action": "drop"}, {"at": float("nan"), "device": 1, "action": "drop"}]},
+     "scenario.yaml: steps[1].at: expected seconds 0..31536000, got nan"),
+    ({"repeat_every": float("nan"), "steps": [{"at": 0, "device": 0, "action": "drop"}]},
+     "scenario.yaml: repeat_every: expected 0 (play once) or seconds 1..31536000, got nan"),
+    ({"repeat_every": 0.000001, "steps": [{"at": 0, "device": 0, "action": "drop"}]},
+     "scenario.yaml: repeat_every: expected 0 (play once) or seconds 1..31536000, got 1e-06"),
+    ({"steps": [{"at": float("inf"), "device": 0, "action": "drop"}]},
+     "scenario.yaml: steps[0].at: expected seconds 0..31536000, got inf"),
+])
+def test_a_scenario_whose_times_are_not_seconds_is_refused_naming_the_entry(tmp_path, scenario, message):
+    (tmp_path / "scenario.yaml").write_text(yaml.safe_dump(scenario))
+    path = tmp_path / "agent.yaml"
+    path.write_text(yaml.safe_dump({
+        "node_name": "test-node", "state_dir": str(tmp_path / "state"), "profiling": {"root": str(tmp_path / "p")},
+        "http": {"listen": "127.0.0.1:0"}, "grpc": {"listen": "127.0.0.1:0"},
+        "devices": {"backend": "simulated", "simulated": {"scenario": str(tmp_path / "scenario.yaml")}}}))
+    for command in (["check-config"], ["run", "--config"]):
+        result = cli(*command, str(path), timeout=30)  # a NaN once made `run` spin a core, never exit
+        assert result.returncode == 2, result.stderr[-2000:]
+        [line] = [line for line in result.stderr.splitlines() if not line.startswith("{")]  # (run logs first)
+        assert line.endswith(message), line
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-1", "1e400", "soon"])
+def test_faults_timeout_must_be_a_finite_positive_number(value):
+    result = cli("faults", "--target", "127.0.0.1:1", "--timeout", value, timeout=30)  # nan once waited forever
+    assert result.returncode == 2
+    assert f"argument --timeout: expected seconds > 0 and <= 2592000, got '{value}'" in result.stderr

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import time
 from pathlib import Path
 
 import pytest
 
 from agent.devices import dcmi_abi as abi
+from tests.fakes.dcmi import FakeDcmiControl
 from tests.integration.conftest import CARDS, phy
 from tests.integration.harness import AgentProcess, wait_until
 
@@ -182,3 +184,66 @@ def test_an_escalation_history_of_the_wrong_shape_is_moved_aside_and_the_agent_s
     assert Path(line["moved_to"]).read_text() == content
     fake.occur(1, 0x80E18402)
     wait_until(lambda: agent.fault_of(phy(1)), 3, "a fault after the restart")
+
+
+def replace(path: Path, kind: str, text: str = "") -> None:
+    """Put a new file at `path` in one step (as a ConfigMap update does): the agent sees the old one or this."""
+    new = path.with_name(f".{path.name}.new")
+    if kind == "nested too deeply":
+        new.write_text('{"SeparateNPUCodes": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    elif kind == "a FIFO":
+        os.mkfifo(new)  # no writer ever opens it: reading it blocking would wait forever
+    else:
+        new.write_text(text)
+    os.replace(new, path)
+
+
+@pytest.mark.parametrize("kind", ["nested too deeply", "a FIFO"])
+def test_an_unusable_rule_file_at_start_leaves_the_built_in_table_in_force(start_agent, short_dir, tmp_path, kind):
+    table = tmp_path / "faultCode.json"
+    replace(table, kind)
+    agent, _ = start_agent(devices={"poll_interval_seconds": 1}, faults={"fault_code_file": str(table)},
+                           wait_ready=False)
+    line = agent.wait_for_log("fault rule files are invalid; using the built-in table until they are fixed")
+    assert line["problems"] == [f"{table}: invalid JSON: nested too deeply" if kind == "nested too deeply"
+                                else f"{table}: cannot read: a FIFO, not a regular file"]
+    fake = FakeDcmiControl(short_dir / "ctl.sock").connect()
+    fake.occur(2, 0x80E18402, severity=3)
+    wait_until(lambda: visible(agent, 2, "80E18402", "SeparateNPU"), DEADLINE, "a fault classified by the built-in table")
+    status, body = agent.http("/readyz")
+    assert status == 503 and "fault rule files invalid" in body
+    assert agent.stop() < 10
+
+
+@pytest.mark.parametrize("kind", ["nested too deeply", "a FIFO"])
+def test_a_rule_file_turned_unusable_at_runtime_keeps_the_rules_and_a_good_one_loads_again(start_agent, tmp_path, kind):
+    table = tmp_path / "faultCode.json"
+    table.write_text(json.dumps({"NotHandleFaultCodes": ["12345678"]}))
+    agent, fake = start_agent(devices={"poll_interval_seconds": 1}, faults={"fault_code_file": str(table)})
+    fake.occur(6, 0x12345678, severity=3)
+    wait_until(lambda: visible(agent, 6, "12345678", "NotHandleFault"), DEADLINE, "fault with the first table")
+
+    replace(table, kind)
+    line = agent.wait_for_log("fault rule reload failed; the previous rules stay in force", timeout=10)
+    assert len(line["problems"]) == 1 and line["problems"][0].startswith(f"{table}: ")
+    assert agent.http("/healthz")[0] == 200  # the loop goes on
+    status, body = agent.http("/readyz")
+    assert status == 503 and "fault rule files invalid" in body
+    assert agent.metric("npu_agent_fault_rule_reloads_total", result="failure") == 1
+    assert visible(agent, 6, "12345678", "NotHandleFault")
+
+    replace(table, "good", json.dumps({"SeparateNPUCodes": ["12345678"]}))
+    wait_until(lambda: visible(agent, 6, "12345678", "SeparateNPU"), 10, "the next good table in force")
+    wait_until(lambda: agent.http("/readyz")[0] == 200, 10, "ready again")
+    assert agent.stop() < 10
+
+
+def test_unknown_assertions_are_logged_once_per_value_and_skipped(start_agent):
+    agent, fake = start_agent()
+    for i in range(2500):
+        fake.event(i % 8, 0x80E18402, 7 if i % 2 else 9, 3)  # assertions DCMI does not have
+    fake.occur(3, 0x80E18005)  # handled after every event above: they reach the loop in order
+    wait_until(lambda: visible(agent, 3, "80E18005", "RestartNPU"), 10, "a known event after them")
+    lines = [r for r in agent.logs if r.get("msg") == "fault event with an unknown assertion skipped"]
+    assert sorted(r["assertion"] for r in lines) == [7, 9]
+    assert all(f["device"] == phy(3) for f in agent.faults_json())  # none of them was applied

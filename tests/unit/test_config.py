@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from agent.config import config_from_dict, load_config
-from agent.errors import ConfigError
+from agent.config import NODE_NAME, config_from_dict, load_config
+from agent.errors import MAX_PROBLEMS, ConfigError
+from agent.faults import pubfault
 
 
 def test_defaults_follow_the_contract():
@@ -43,9 +44,66 @@ def test_bad_values_name_the_key(document, message):
 
 
 def test_environment_overrides():
-    config = config_from_dict({"node_name": "from-file"}, environ={"NODE_NAME": "env", "MINDX_SERVER_IP": "10.0.0.5"})
+    config = config_from_dict({"node_name": "from-file", "clusterd": {"enabled": True}},
+                              environ={"NODE_NAME": "env", "MINDX_SERVER_IP": "10.0.0.5"})
     assert config.node_name == "from-file"  # NODE_NAME is only the default
     assert config.clusterd.address == "10.0.0.5:8899"  # MINDX_SERVER_IP overrides the host
+
+
+@pytest.mark.parametrize("server_ip,address", [("fd00::5", "[fd00::5]:8899"), ("[::1]", "[::1]:8899"),
+                                               ("clusterd.example", "clusterd.example:8899")])
+def test_mindx_server_ip_may_be_ipv6_and_is_a_grpc_target(server_ip, address):
+    config = config_from_dict({"clusterd": {"enabled": True}}, environ={"MINDX_SERVER_IP": server_ip})
+    assert config.clusterd.address == address
+
+
+def test_mindx_server_ip_is_only_looked_at_with_clusterd_enabled():
+    for server_ip in ("fd00::5", "not an address!"):
+        config = config_from_dict({}, environ={"MINDX_SERVER_IP": server_ip})
+        assert config.clusterd.address == "clusterd-grpc-svc.mindx-dl.svc.cluster.local:8899"
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"clusterd": {"enabled": True}}, environ={"MINDX_SERVER_IP": "not an address!"})
+    assert info.value.problems == ["MINDX_SERVER_IP: 'not an address!' is not an IP address or host name"]
+
+
+@pytest.mark.parametrize("name", ["Node-1", "node_1", "-node", "node.", "n" * 254, "node\n", "node 1", ""])
+def test_a_node_name_clusterd_would_refuse_is_a_config_error(name):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"node_name": name}, environ={"NODE_NAME": "from-env"} if name else {"NODE_NAME": "Upper"})
+    [problem] = info.value.problems
+    assert problem.startswith("node_name: ") and "is not a node name ClusterD and Kubernetes accept" in problem
+
+
+def test_node_names_clusterd_accepts_pass_and_the_rule_is_clusterds():
+    for name in ("node-1", "10.0.0.5", "a", "n" * 253, "gpu-01.rack-7.example"):
+        assert config_from_dict({"node_name": name}).node_name == name
+    assert NODE_NAME.pattern == pubfault._NODE.pattern  # the agent refuses what ClusterD would drop
+
+
+@pytest.mark.parametrize("document,message", [
+    ({"devices": {"poll_interval_seconds": float("nan")}}, "devices.poll_interval_seconds: expected a finite number, got nan"),
+    ({"taskd_proxy": {"hold_seconds": float("inf")}}, "taskd_proxy.hold_seconds: expected a finite number, got inf"),
+])
+def test_numbers_must_be_finite(document, message):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(document)
+    assert message in info.value.problems
+
+
+def test_a_problem_quotes_a_huge_or_deep_value_briefly():
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"node_name": deep, "state_dir": ["x" * 10_000_000], "devices": {"backend": {"y" * 10_000_000: 1}}})
+    assert len(info.value.problems) == 3 and all(len(p) < 200 for p in info.value.problems), info.value.problems
+
+
+def test_many_problems_are_summed_up():
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({f"key{i}": 1 for i in range(1000)})
+    assert len(info.value.problems) == MAX_PROBLEMS + 1
+    assert info.value.problems[-1] == f"... and {1000 - MAX_PROBLEMS} more problems"
 
 
 def test_yaml_errors_name_the_file_and_line(tmp_path):

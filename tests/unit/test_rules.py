@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-
+import os
 
 import pytest
 
 from tests.conftest import REPO
 
-from agent.errors import ConfigError
+from agent.errors import MAX_PROBLEMS, ConfigError
 from agent.faults.codes import load_fault_code_table, parse_fault_code_table
 from agent.faults.customization import NEVER_RELEASE_S, load_customization, parse_customization
 from agent.faults.levels import Level
@@ -122,3 +122,44 @@ def test_the_shipped_clusterd_customization_keeps_the_defaults_and_adds_the_agen
     expected = {"SubHealthFault": "SubHealthFaultCodes", "PreSeparateNPU": "PreSeparateNPUCodes"}
     for level, code in config.clusterd.public_codes.items():
         assert listed[code] == expected.get(level, "SeparateNPUCodes"), (level, code)
+
+
+@pytest.mark.parametrize("content,message", [
+    (b'{"SeparateNPUCodes": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "invalid JSON: nested too deeply"),
+    (b'{"SeparateNPUCodes": [' + b"1" * 5000 + b"]}", "invalid JSON: Exceeds the limit (4300 digits)"),
+    (b'{"SeparateNPUCodes": ["80E18402\xff"]}', "not UTF-8 text (invalid start byte at byte 31)"),
+    (b" " * (5 << 20), "larger than 4 MiB; not read"),
+])
+def test_a_rule_file_that_cannot_be_parsed_is_one_line(tmp_path, content, message):
+    path = tmp_path / "faultCode.json"
+    path.write_bytes(content)
+    for load in (load_fault_code_table, load_customization):
+        with pytest.raises(ConfigError) as info:
+            load(str(path))
+        assert info.value.problems[0].startswith(f"{path}: {message}")
+        assert len(info.value.problems) == 1 and len(info.value.problems[0]) < 300
+
+
+def test_a_rule_file_that_is_not_a_regular_file_is_refused_at_once(tmp_path):
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # no writer: opening it to read in the usual way would wait forever
+    with pytest.raises(ConfigError, match=r"fifo.json: cannot read: a FIFO, not a regular file"):
+        load_fault_code_table(str(fifo))
+    with pytest.raises(ConfigError, match=r"cannot read: a directory, not a regular file"):
+        load_customization(str(tmp_path))
+
+
+def test_bad_values_are_quoted_briefly_and_many_problems_are_summed_up():
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(ConfigError) as info:
+        parse_fault_code_table({"SeparateNPUCodes": ["Z" * 1_000_000, deep, *[7] * 1000]}, "faultCode.json")
+    problems = info.value.problems
+    assert len(problems) == MAX_PROBLEMS + 1 and problems[-1] == f"... and {1002 - MAX_PROBLEMS} more problems"
+    assert problems[0].startswith("faultCode.json: SeparateNPUCodes[0]: 'ZZZ") and len(problems[0]) < 150
+    assert problems[1] == "faultCode.json: SeparateNPUCodes[1]: [[[[...]]]] is not a string"
+    with pytest.raises(ConfigError) as info:
+        parse_customization({"FaultDuration": [{"EventId": ["80E18005"], "FaultTimeout": "9" * 1_000_000,
+                                                "RecoverTimeout": 60, "FaultHandling": deep}]}, "custom.json")
+    assert len(info.value.problems) == 2 and all(len(p) < 300 for p in info.value.problems), info.value.problems

@@ -1,0 +1,24 @@
+"""What the environment adds to the configuration, seen through the real agent."""
+
+from __future__ import annotations
+
+from tests.fakes.clusterd import ClusterdStandIn
+from tests.integration.conftest import phy
+from tests.integration.harness import wait_until
+
+
+def test_an_ipv6_mindx_server_ip_reaches_clusterd_over_ipv6(start_agent):
+    with ClusterdStandIn(host="::1") as clusterd:
+        # The configured host is replaced by MINDX_SERVER_IP (bare, as MindX sets it); the port stays.
+        agent, fake = start_agent(devices={"poll_interval_seconds": 1}, env={"MINDX_SERVER_IP": "::1"},
+                                  clusterd={"enabled": True, "address": f"clusterd.invalid:{clusterd.port}"})
+        fake.occur(2, 0x80E18402, severity=3)
+        clusterd.wait_for(lambda s: any(f.influence[0].deviceIds == [phy(2)] and f.faultCode == "020011001"
+                                        for r in s.requests if r.code == 0 for f in r.request.faults), timeout=10)
+        wait_until(lambda: agent.metric("npu_agent_fault_reports_total", sink="clusterd", result="sent") == 1, 10,
+                   "the send counted")
+
+
+def test_mindx_server_ip_is_not_looked_at_with_clusterd_off(start_agent):
+    agent, _ = start_agent(env={"MINDX_SERVER_IP": "fd00::5"})  # once refused: "clusterd.address is not HOST:PORT"
+    assert agent.http("/readyz")[0] == 200
