@@ -154,10 +154,11 @@ class AgentCollector:
 
         counters = self._monitor.counters
         driver = CounterMetricFamily("npu_agent_driver_events_total",
-                                     "Driver fault events received; rate_limited ones were mended by a poll",
-                                     labels=["node", "result"])
+                                     "Driver fault events received; rate_limited ones were mended by a poll, skipped "
+                                     "ones named an unknown device or assertion", labels=["node", "result"])
         driver.add_metric([node, "accepted"], counters["events"] - counters["events_dropped"])
         driver.add_metric([node, "rate_limited"], counters["events_dropped"])
+        driver.add_metric([node, "skipped"], counters["events_skipped"])
         yield driver
         polls = CounterMetricFamily("npu_agent_device_polls_total", "Device polls (health and error codes)",
                                     labels=["node"])

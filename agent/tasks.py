@@ -23,6 +23,20 @@ BACKOFF_RESET_S = 60.0  # a run this long starts the backoff over
 restarts: Counter[str] = Counter()  # "<component>/<task>" -> restarts (npu_agent_task_restarts_total)
 
 
+def spawn(coro, component: str, name: str) -> asyncio.Task:
+    """A short task (one request, one confirmation poll) that nobody awaits: its failure is logged
+    and counted like a long-lived task's, not lost with it."""
+    task = asyncio.ensure_future(coro)
+
+    def done(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            restarts[f"{component}/{name}"] += 1
+            log.error("task failed", exc_info=task.exception(), extra={"component": component, "task": name})
+
+    task.add_done_callback(done)
+    return task
+
+
 class Tasks:
     """The long-lived tasks of one component."""
 

@@ -19,7 +19,7 @@ from agent.errors import Once
 from agent.ratelimit import TokenBucket
 from agent.faults.codes import RESET_FINISH_CODE
 from agent.faults.engine import Assertion, Health
-from agent.tasks import Tasks
+from agent.tasks import Tasks, spawn
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class DeviceMonitor:
 
         def fire() -> None:
             self._scheduled.pop(device.logic_id, None)
-            asyncio.ensure_future(self._poll(device, fresh=True))
+            spawn(self._poll(device, fresh=True), "devices", "confirmation-poll")
 
         self._scheduled[device.logic_id] = self._loop.call_later(delay, fire)
 

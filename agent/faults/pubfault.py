@@ -132,7 +132,7 @@ def fault_problems(fault: pb.Fault, known_codes: frozenset[str] | None = None) -
     if not 1 <= len(fault.influence) <= 1000:
         problems.append(f"{len(fault.influence)} influence entries (1..1000 allowed)")
     for info in fault.influence:
-        if info.nodeName and not _NODE.match(info.nodeName):
+        if info.nodeName and not _NODE.fullmatch(info.nodeName):
             problems.append(f"nodeName {info.nodeName!r} is not a DNS-1123 name")
         if not info.nodeName and not info.nodeSN:
             problems.append("influence without nodeName or nodeSN")

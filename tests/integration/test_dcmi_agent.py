@@ -247,3 +247,4 @@ def test_unknown_assertions_are_logged_once_per_value_and_skipped(start_agent):
     lines = [r for r in agent.logs if r.get("msg") == "fault event with an unknown assertion skipped"]
     assert sorted(r["assertion"] for r in lines) == [7, 9]
     assert all(f["device"] == phy(3) for f in agent.faults_json())  # none of them was applied
+    assert agent.metric("npu_agent_driver_events_total", result="skipped") == 2500

@@ -21,6 +21,7 @@ PER_REQUEST = {
     "HttpEndpoint._serve",  # one HTTP connection
     "TaskdProxy._read_acks",  # one worker stream's acknowledgements
     "Upstream._deliver",  # one message on its way to a manager
+    "DeviceMonitor._poll", "DeviceMonitor._read",  # one read of one device (awaited, or spawned with its errors logged)
 }
 
 
