@@ -4,12 +4,16 @@ switch files.
 Level-triggered: every change of either watch recomputes the whole desired state (a handful of
 jobs per node) and one writer pass makes the disk match it. Directories of jobs without a local
 pod are removed only once both watches have listed, so a restart never empties the tree first.
+A pass that failed somewhere (a directory removed under it, a full disk) is run again after
+RETRY_FIRST_S, doubling to RETRY_MAX_S, until one succeeds; the task runs under agent.tasks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import random
 from collections import Counter
 from pathlib import Path
 from typing import Callable
@@ -19,10 +23,13 @@ from agent.kube.pods import NodePods
 from agent.kube.watch import ListWatch
 from agent.profiling.datatrace import PodInfo, SwitchConfigMap, desired, pod_info, switch_configmap
 from agent.profiling.switchfiles import ApplyResult, SwitchFiles
+from agent.tasks import Tasks
 
 log = logging.getLogger(__name__)
 
 CONFIGMAP_SELECTOR = "reset=true"
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 60.0
 
 
 class DatatraceSync:
@@ -40,7 +47,7 @@ class DatatraceSync:
         self._configmaps: dict[tuple[str, str], SwitchConfigMap] = {}
         self._configmap_watch: ListWatch | None = None  # the pods come from the shared pod watch
         self._dirty = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self.tasks = Tasks(self.name)
         self._rejected_seen: set[tuple[str, str]] = set()
         self.rejected: Counter[str] = Counter()  # by kind: name, switch
         self.last: ApplyResult = ApplyResult()
@@ -68,18 +75,13 @@ class DatatraceSync:
                                           self._configmaps_changed, loop, timeout_s=self._watch_timeout_s,
                                           label_selector=CONFIGMAP_SELECTOR)
         self._configmap_watch.start()
-        self._task = asyncio.create_task(self._run(), name="datatrace")
+        self.tasks.start("sync", self._run, reset=self._dirty.set)  # after a failure: a full pass
         log.info("datatrace sync started", extra={"root": str(self._files.root), "node": self._node})
 
     async def stop(self) -> None:
         if self._configmap_watch is not None:
             self._configmap_watch.stop()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await self.tasks.stop()
 
     @property
     def _configmaps_synced(self) -> bool:
@@ -101,8 +103,15 @@ class DatatraceSync:
         self._dirty.set()
 
     async def _run(self) -> None:
+        retry_s = RETRY_FIRST_S
         while True:
-            await self._dirty.wait()
+            if self.last.errors:  # again after a while, or at the next change
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._dirty.wait(), retry_s * random.uniform(0.8, 1.0))
+                retry_s = min(RETRY_MAX_S, retry_s * 2)
+            else:
+                retry_s = RETRY_FIRST_S
+                await self._dirty.wait()
             self._dirty.clear()
             want = desired(list(self._pods.values()), self._configmaps)
             for what, why in want.rejected:

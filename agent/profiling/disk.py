@@ -34,8 +34,8 @@ from pathlib import Path
 from inotify_simple import flags
 
 from agent.profiling.disk_rules import FileEntry, UsageLedger, choose_victims, is_record_name
-from agent.profiling.tree import (BATCH_WINDOW_S, DIR_GONE, DIR_NEW, LAST_GONE, ROOT_POLL_S, WATCH_MASK, Problem,
-                                  TreeFollower, Walk, join, open_under)
+from agent.profiling.tree import (BATCH_WINDOW_S, DIR_FLAGS, DIR_GONE, DIR_NEW, LAST_GONE, ROOT_POLL_S, VANISHED,
+                                  WATCH_MASK, Problem, TreeFollower, Walk, join, open_dir, open_under)
 
 log = logging.getLogger(__name__)
 
@@ -119,13 +119,12 @@ class DiskGuard(TreeFollower):
 
     async def start(self) -> None:
         await super().start()
-        if self._tasks and self.limit_bytes <= 0:
+        if self.tasks.running and self.limit_bytes <= 0:
             log.info("profiling disk limit is 0: usage is measured, nothing is aged", extra={"root": self._root})
 
     # ---- the task -------------------------------------------------------------------------------
 
     def _recover(self) -> None:
-        log.exception("profiling disk guard failed; starting again", extra={"root": self._root})
         self._forget_all()  # from a fresh scan
 
     async def _rescan(self) -> bool:
@@ -180,9 +179,10 @@ class DiskGuard(TreeFollower):
                     self._ledger.remove(path)
                 elif self._ledger.set(path, *found):
                     self._unstick(path)
-            for directory, walk in refresh.walks:
+            # What was known there goes (a directory moved over another one, or over a file).
+            self._ledger.remove_trees(directory for directory, _ in refresh.walks)
+            for _, walk in refresh.walks:
                 self._note(walk.problems)
-                self._ledger.remove_tree(directory)  # a directory moved over another one, or over a file
                 self._watches.update(walk.watches)
                 for path, (size, mtime) in walk.files.items():
                     self._ledger.set(path, size, mtime)
@@ -318,16 +318,47 @@ class DiskGuard(TreeFollower):
     def _refresh(self, paths: list[str], new_dirs: list[str]) -> _Refresh:
         """lstat the files a batch touched; walk the directories it created."""
         out = _Refresh()
-        for path in paths:
+        if paths:
             try:
-                st = os.lstat(os.path.join(self._root, path))
-            except (FileNotFoundError, NotADirectoryError):
-                out.stats[path] = None
-                continue
-            except OSError as exc:
-                out.problems.append(("cannot stat a file", path, str(exc)))
-                continue
-            out.stats[path] = (st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
+                root_fd = os.open(self._root, DIR_FLAGS)
+            except OSError as exc:  # gone: its own event says so
+                if exc.errno not in VANISHED:
+                    out.problems.append(("cannot open a directory", ".", str(exc)))
+            else:
+                try:
+                    self._stat_files(root_fd, paths, out)
+                finally:
+                    os.close(root_fd)
         for directory in new_dirs:
             out.walks.append((directory, self._walk(directory)))
         return out
+
+    @staticmethod
+    def _stat_files(root_fd: int, paths: list[str], out: _Refresh) -> None:
+        """lstat each file by name under a descriptor of its directory: at any depth (the full path
+        may be longer than PATH_MAX), and never through a symlink."""
+        by_dir: dict[str, list[str]] = {}
+        for path in paths:
+            by_dir.setdefault(path.rpartition("/")[0], []).append(path)
+        for directory, files in by_dir.items():
+            try:
+                dir_fd = open_dir(root_fd, directory.split("/") if directory else [])
+            except OSError as exc:
+                if exc.errno in VANISHED:
+                    out.stats.update(dict.fromkeys(files))  # gone with its directory
+                else:
+                    out.problems.append(("cannot open a directory", directory or ".", str(exc)))
+                continue
+            try:
+                for path in files:
+                    try:
+                        st = os.lstat(path.rpartition("/")[2], dir_fd=dir_fd)
+                    except FileNotFoundError:
+                        out.stats[path] = None
+                        continue
+                    except OSError as exc:
+                        out.problems.append(("cannot stat a file", path, str(exc)))
+                        continue
+                    out.stats[path] = (st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
+            finally:
+                os.close(dir_fd)

@@ -16,6 +16,7 @@ no rank is favoured by the order of the walk. Files not exactly at depth 3 are n
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 PARTS = 5  # TaskD's NumberOfParts: a round ages a fifth of each rank's record files
@@ -25,6 +26,28 @@ _RECORD_NAME = re.compile(r"[0-9]{10}")  # [0-9], not \d: only ASCII digits
 def is_record_name(name: str) -> bool:
     """A profiling record file: exactly 10 ASCII digits."""
     return _RECORD_NAME.fullmatch(name) is not None
+
+
+class Scopes:
+    """Directories relative to the root ("" is the root), each holding itself and all below it.
+    Which of them hold a path costs one slice and lookup per distinct length, however many there are."""
+
+    def __init__(self, directories: Iterable[str]):
+        self._set = set(directories)
+        self._lengths = sorted({len(d) for d in self._set})
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._set)
+
+    def holding(self, path: str) -> list[str]:
+        """The scopes that hold `path`, shallowest first."""
+        found = []
+        for n in self._lengths:
+            if n > len(path):
+                break
+            if (n == 0 or n == len(path) or path[n] == "/") and path[:n] in self._set:
+                found.append(path[:n])
+        return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +103,14 @@ class UsageLedger:
 
     def remove_tree(self, prefix: str) -> int:
         """Forget `prefix` and everything under it ("" is the whole tree); the number of files dropped."""
-        dropped = 0 if not prefix else int(self.remove(prefix) is not None)
-        below = prefix + "/"
-        for directory in [d for d in self._dirs if not prefix or d == prefix or d.startswith(below)]:
+        return self.remove_trees([prefix])
+
+    def remove_trees(self, prefixes: Iterable[str]) -> int:
+        """`remove_tree` of each of `prefixes`, in one pass over the directories (a batch may walk
+        thousands of them); the number of files dropped."""
+        scopes = Scopes(prefixes)
+        dropped = sum(self.remove(prefix) is not None for prefix in scopes if prefix)
+        for directory in [d for d in self._dirs if scopes.holding(d)]:
             files = self._dirs.pop(directory)
             self._total -= sum(e.size for e in files.values())
             self._count -= len(files)

@@ -75,6 +75,9 @@ class DiskGuardCollector:
              "Full scans of the profiling tree (start-up, root appearing, inotify overflow)", guard.scans),
             ("npu_agent_profiling_inotify_overflows_total", CounterMetricFamily,
              "inotify queue overflows (each one costs a full scan)", guard.overflows),
+            ("npu_agent_profiling_unwatched_directories", GaugeMetricFamily,
+             "Directories of profiling.root whose inotify watch could not be added (fs.inotify.max_user_watches): "
+             "walked again every 30 s at most instead", guard.unwatched),
             ("npu_agent_profiling_errors_total", CounterMetricFamily,
              "Unreadable directories or files, refused rank directories and failed deletions met by the disk guard", guard.errors),
         ):

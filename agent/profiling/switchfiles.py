@@ -2,6 +2,8 @@
 
 Every operation is relative to a descriptor of the root opened with O_NOFOLLOW, and every name
 below it is opened with O_NOFOLLOW too: a symlink planted in the tree is refused, never followed.
+No operation ever falls back to a path of its own: a job directory removed by someone else while
+it is being made is made again (or the pass fails and is retried), never written around.
 Files are replaced atomically (temporary file in the same directory, fsync, rename, fsync of the
 directory), so TaskD, which polls the file every second, reads the old switch or the new one.
 Only directories named `<namespace>.data-trace-<job>` with valid names are ever removed, and only
@@ -25,6 +27,8 @@ log = logging.getLogger(__name__)
 
 TMP_PREFIX = f".{SWITCH_KEY}.tmp-"
 DIR_MODE, FILE_MODE = 0o755, 0o644
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+MAKE_ATTEMPTS = 3  # a job directory removed between its mkdir and its open this often: the pass fails
 
 
 class UnsafePath(Exception):
@@ -82,24 +86,30 @@ class SwitchFiles:
 
     def _open_root(self) -> int:
         self.root.mkdir(parents=True, exist_ok=True)  # hostPath DirectoryOrCreate does the same
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        fd = os.open(self.root, DIR_FLAGS)
         self._complained.discard("root")
         return fd
 
-    def _open_dir(self, root_fd: int, name: str, create: bool) -> int | None:
-        if create:
+    def _open_dir(self, root_fd: int, name: str, create: bool) -> int:
+        """A descriptor of directory `name` under the root, made first if `create`; FileNotFoundError
+        if it is not there (or, with `create`, was removed again each time it was made)."""
+        for _ in range(MAKE_ATTEMPTS if create else 1):
+            if create:
+                try:
+                    os.mkdir(name, DIR_MODE, dir_fd=root_fd)
+                except FileExistsError:
+                    pass
             try:
-                os.mkdir(name, DIR_MODE, dir_fd=root_fd)
-            except FileExistsError:
-                pass
-        try:
-            return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise UnsafePath(f"{name} is a symlink or not a directory; left alone") from None
-            raise
+                return os.open(name, DIR_FLAGS, dir_fd=root_fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                continue  # removed since it was made (a job's directory being cleaned up): again
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise UnsafePath(f"{name} is a symlink or not a directory; left alone") from None
+                raise
+        raise FileNotFoundError(errno.ENOENT, "directory removed as soon as it was made", name)
 
     def _ensure(self, root_fd: int, name: str, content: bytes | Keep | None, result: ApplyResult) -> bool:
         """Make one directory right; whether a switch file is in force there afterwards."""
@@ -127,7 +137,7 @@ class SwitchFiles:
 
     def _read(self, dir_fd: int) -> bytes | None:
         try:
-            fd = os.open(SWITCH_KEY, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+            fd = os.open(SWITCH_KEY, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -146,7 +156,8 @@ class SwitchFiles:
 
     def _replace(self, dir_fd: int, content: bytes) -> None:
         tmp = TMP_PREFIX + secrets.token_hex(4)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE, dir_fd=dir_fd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE,
+                     dir_fd=dir_fd)
         try:
             try:
                 view = memoryview(content)
@@ -166,9 +177,10 @@ class SwitchFiles:
         os.fsync(dir_fd)
 
     def _remove(self, root_fd: int, name: str, result: ApplyResult) -> None:
-        dir_fd = self._open_dir(root_fd, name, create=False)
-        if dir_fd is None:
-            return
+        try:
+            dir_fd = self._open_dir(root_fd, name, create=False)
+        except FileNotFoundError:
+            return  # gone already
         try:
             for entry in os.listdir(dir_fd):
                 if entry == SWITCH_KEY or entry.startswith(TMP_PREFIX):

@@ -7,10 +7,17 @@ state lives in one task on the loop; walks, `lstat`s, reads and deletions run on
 `loop.add_reader`; events are coalesced per (directory, name) until the task takes them as one batch.
 
 A directory is opened by name under its parent's descriptor with O_NOFOLLOW and watched through
-`/proc/self/fd/<fd>` of that descriptor, so one swapped for a symlink is never entered or watched.
+`/proc/self/fd/<fd>` of that descriptor, so one swapped for a symlink is never entered or watched;
+nothing is reached by a full path, so depth (past PATH_MAX) is no limit.
 
-`TreeFollower` is the base of both: it runs the task (waiting for the root, rescans, batches, a restart
-after a bug) and keeps the watches; a subclass says what a walk lists and how a batch is applied.
+A directory whose watch cannot be added (ENOSPC: fs.inotify.max_user_watches reached) raises no
+events, so it is walked again, as if it had just appeared, every RETRY_FIRST_S doubling to
+RETRY_MAX_S: that measures it and tries its watch again, until the watch holds. Meanwhile
+readiness says how many directories are unwatched.
+
+`TreeFollower` is the base of both: it runs the task (supervised by agent.tasks: waiting for the
+root, rescans, batches; after a bug, a rescan) and keeps the watches; a subclass says what a walk
+lists and how a batch is applied.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import errno
 import logging
 import os
 import stat
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -30,8 +38,14 @@ from typing import TypeVar
 from inotify_simple import INotify, flags, parse_events
 
 from agent.devices.pool import DaemonPool
+from agent.profiling.disk_rules import Scopes
+from agent.tasks import Tasks
 
 ROOT_POLL_S = 2.0
+# A directory that cannot be watched is walked again after this long, doubling up to the maximum:
+# the most its usage can lag behind while fs.inotify.max_user_watches is too low.
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 30.0
 # After the first event of a batch, let the kernel queue more for this long (not reading it, so
 # not woken by each): a write's MODIFY and CLOSE_WRITE and the other ranks' writes then cost one
 # wake-up and one trip to the worker thread instead of one each.
@@ -39,6 +53,7 @@ BATCH_WINDOW_S = 0.1
 # Distinct (directory, name) with events waiting (~10 MB at most) while the task is busy; past this, a rescan.
 BACKLOG_MAX = 65_536
 LOGGED_MAX = 1_000  # distinct problems logged; later ones are only counted
+OPEN_LEVELS = 64  # a walk holds descriptors of this many levels at most (and of its start)
 
 # Directories only. Added through /proc/self/fd/<fd>, which must be followed (IN_DONT_FOLLOW would
 # watch the proc link itself); without /proc the path is used with IN_DONT_FOLLOW.
@@ -112,6 +127,7 @@ class Walk:
     """What a walk found (built in the worker thread, applied on the loop); subclasses add their findings."""
     start_ok: bool = True  # the start directory could be opened
     watches: dict[int, str] = field(default_factory=dict)  # wd -> directory
+    unwatched: dict[str, str] = field(default_factory=dict)  # directory -> why its watch could not be added
     problems: list[Problem] = field(default_factory=list)
 
 
@@ -122,8 +138,9 @@ class TreeFollower:
     """The task, the inotify watches and the worker thread of a component that follows the tree.
 
     A subclass implements `_walk(start, ...)` (with `_walk_tree`, in the thread), `_rescan` (with
-    `_scan`: rebuild its view), `_apply` (one batch, through `_dispatch`) and `_recover` (log a bug,
-    tidy up), and extends `_forget_all` / `_forget_dir` with what it keeps per directory.
+    `_scan`: rebuild its view), `_apply` (one batch, through `_dispatch`) and `_recover` (tidy up
+    after the task failed; agent.tasks logged it), and extends `_forget_all` / `_forget_dir` with what
+    it keeps per directory.
     """
 
     name = ""  # of the task and the thread
@@ -149,8 +166,16 @@ class TreeFollower:
         self._inotify: INotify | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: DaemonPool | None = None
+        self.tasks = Tasks(self.name)
+        # Tasks a subclass started itself, cancelled by stop(); non-empty once the follower runs. Only
+        # until the tailer starts its state saver through `tasks` too: then this list goes.
         self._tasks: list[asyncio.Task] = []
         self._inflight: Future | None = None
+        self._unwatched: dict[str, str] = {}  # directory -> why it cannot be watched (walked again instead)
+        self._walks_done: deque[tuple[str, dict[str, str]]] = deque()  # (scope, unwatched) to settle, in order
+        self._retry: asyncio.TimerHandle | None = None
+        self._retry_s = RETRY_FIRST_S
+        self._stopped = False
         self._logged: set[tuple[str, str]] = set()
         self._settled = False  # the first scan is done, or there was no root to scan
         self._failure = ""
@@ -173,6 +198,11 @@ class TreeFollower:
     def state(self) -> str:
         return self._state
 
+    @property
+    def unwatched(self) -> int:
+        """Directories whose inotify watch could not be added: followed by walking them again."""
+        return len(self._unwatched)
+
     # ---- component ------------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -188,14 +218,21 @@ class TreeFollower:
             return
         self._pool = DaemonPool(max_threads=1, name=self.name)
         self._loop.add_reader(self._inotify.fileno(), self._on_readable)
-        self._tasks.append(asyncio.create_task(self._run(), name=self.name))
+        self.tasks.start("follow", self._follow, reset=self._reset)
+        self._tasks.append(self.tasks._tasks["follow"])  # see _tasks
 
     async def stop(self) -> None:
+        self._stopped = True
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
-        if tasks:  # a task waiting on a stuck thread ends at once: the thread is left behind
+        # A task waiting on a stuck thread ends at once: the thread is left behind.
+        await self.tasks.stop(self.stop_wait_s)
+        if tasks:
             await asyncio.wait(tasks, timeout=self.stop_wait_s)
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         if self._inotify is None or self._inotify.closed:
             return
         self._loop.remove_reader(self._inotify.fileno())
@@ -213,21 +250,19 @@ class TreeFollower:
             return False, self._failure
         if not self._settled:
             return False, f"first scan of {self._root} not finished"
+        if self._unwatched:
+            error = next(iter(self._unwatched.values()))
+            return False, (f"{len(self._unwatched)} directories under {self._root} cannot be watched ({error}); "
+                           f"they are walked again every {RETRY_MAX_S:g} s at most (raise fs.inotify.max_user_watches)")
         return True, ""  # a missing root is normal (no job has profiled yet): not a reason to be unready
 
     # ---- the task -------------------------------------------------------------------------------
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self._follow()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug must not end the component for good: start again with a rescan
-                self._errors += 1
-                self._settled = True
-                self._recover()
-                await asyncio.sleep(self._root_poll_s)
+    def _reset(self) -> None:
+        """After the task failed (agent.tasks logged it): start again from a rescan."""
+        self._errors += 1
+        self._settled = True
+        self._recover()
 
     async def _follow(self) -> None:
         while True:
@@ -236,6 +271,7 @@ class TreeFollower:
                 await asyncio.sleep(self._root_poll_s)  # vanished or unreadable: look again later, not in a spin
                 continue
             while True:
+                self._settle_unwatched()
                 await self._next_batch()
                 pending, self._pending = self._pending, {}
                 overflowed, self._overflowed = self._overflowed, False
@@ -268,7 +304,10 @@ class TreeFollower:
 
     async def _in_thread(self, fn: Callable, *args):
         self._inflight = self._pool.submit(fn, *args)
-        return await asyncio.wrap_future(self._inflight)
+        try:
+            return await asyncio.wrap_future(self._inflight)
+        finally:
+            self._settle_unwatched()
 
     async def _wait_for_root(self) -> bool:
         """Poll until the root is a directory, logging each new condition once; True if it was not at first."""
@@ -310,12 +349,75 @@ class TreeFollower:
             self._rm_watch(wd)
         self._watches.clear()
         self._pending.clear()
+        self._walked("", {})
 
     def _forget_dir(self, directory: str) -> None:
         for wd, path in list(self._watches.items()):
             if within(path, directory):
                 del self._watches[wd]
                 self._rm_watch(wd)  # a directory moved out of the root is still watched otherwise
+        self._walked(directory, {})
+
+    def _walked(self, scope: str, unwatched: dict[str, str]) -> None:
+        """What a walk of `scope` (in the thread, or forgetting it on the loop) found it could not
+        watch replaces what was known there: settled in order after each trip to the thread and
+        each batch, all walks at once (a batch may walk thousands)."""
+        self._walks_done.append((scope, unwatched))
+
+    def _settle_unwatched(self) -> None:
+        done = []
+        while self._walks_done:
+            done.append(self._walks_done.popleft())
+        if not done:
+            return
+        last = {scope: i for i, (scope, _) in enumerate(done)}
+        scopes = Scopes(last)
+
+        def last_walk(path: str) -> int:  # the last of these walks that covered `path`; -1: none
+            return max((last[scope] for scope in scopes.holding(path)), default=-1)
+
+        had = bool(self._unwatched)
+        self._unwatched = {d: why for d, why in self._unwatched.items() if last_walk(d) < 0}
+        for i, (_, found) in enumerate(done):
+            self._unwatched.update((d, why) for d, why in found.items() if last_walk(d) == i)
+        if self._unwatched and not had:
+            self._log.warning(f"{self.label}: directories cannot be watched; walking them again until they can be",
+                              extra={"root": self._root, "directories": len(self._unwatched),
+                                     "error": next(iter(self._unwatched.values())), "max_interval_s": RETRY_MAX_S})
+        elif had and not self._unwatched:
+            self._log.info(f"{self.label}: every directory is watched again", extra={"root": self._root})
+        if not self._unwatched:
+            self._retry_s = RETRY_FIRST_S
+            if self._retry is not None:
+                self._retry.cancel()
+                self._retry = None
+        self._schedule_retry()
+
+    def _retry_unwatched(self) -> None:
+        """Walk the unwatched directories again, as if they had just appeared: that measures them and
+        tries their watches again. A directory is walked from its highest unwatched ancestor."""
+        self._retry = None
+        self._retry_s = min(RETRY_MAX_S, self._retry_s * 2)
+        tops: list[str] = []  # the highest unwatched directories: what lies below them is walked with them
+        for directory in sorted(self._unwatched, key=lambda d: d.split("/") if d else []):  # parents first
+            if not tops or not within(directory, tops[-1]):
+                tops.append(directory)
+        by_path = {path: wd for wd, path in self._watches.items()}
+        for directory in tops:
+            parent, _, name = directory.rpartition("/")
+            wd = by_path.get(parent) if directory else None
+            if wd is None:  # the root, or a directory whose parent is not watched either: all of it
+                self._overflowed = True
+                break
+            what = self._pending.get((wd, name), 0)
+            if not what & LAST_GONE:
+                self._pending[(wd, name)] = what | DIR_NEW
+        self._wakeup.set()
+        self._schedule_retry()
+
+    def _schedule_retry(self) -> None:
+        if self._unwatched and self._retry is None and not self._stopped:
+            self._retry = self._loop.call_later(self._retry_s, self._retry_unwatched)
 
     def _rm_watch(self, wd: int) -> None:
         try:
@@ -410,41 +512,61 @@ class TreeFollower:
 
     def _walk_tree(self, start: str, out: W, list_dir: Callable[[int, str, W], list[str]]) -> W:
         """Watch, then list, `start` ("" is the root) and, all the way down, the subdirectories that
-        `list_dir(fd, directory, out)` returns. One descriptor is open per level, not per directory
-        seen, and a deep tree needs no recursion."""
+        `list_dir(fd, directory, out)` returns. Descriptors are held for the start and the deepest
+        OPEN_LEVELS levels only, so a tree of any depth needs no recursion and a bounded number of
+        them; a level closed meanwhile is opened again, by name, when the walk comes back to it."""
         try:
             fd = open_under(self._root, start)
         except OSError as exc:
             out.start_ok = False
             if exc.errno not in VANISHED:
                 out.problems.append(("cannot open a directory", start or ".", str(exc)))
+            self._walked(start, {})
             return out
-        # (fd, directory, subdirectories left to visit) down to the current directory; each fd is
-        # in `levels` before its directory is listed, so it is closed whatever happens.
-        levels: list[tuple[int, str, list[str]]] = [(fd, start, [])]
+        # [fd or None, directory, subdirectories left to visit] down to the current directory; each
+        # fd is in `levels` before its directory is listed, so it is closed whatever happens.
+        levels: list[list] = [[fd, start, []]]
         try:
             levels[-1][2].extend(self._watch_and_list(fd, start, out, list_dir))
             while levels:
-                parent, directory, children = levels[-1]
+                level = levels[-1]
+                parent, directory, children = level
                 if not children:
-                    os.close(levels.pop()[0])
+                    if levels.pop()[0] is not None:
+                        os.close(parent)
                     continue
                 name = children.pop()
                 path = join(directory, name)
                 try:
+                    if parent is None:
+                        parent = level[0] = self._reopen(levels)
                     fd = os.open(name, DIR_FLAGS, dir_fd=parent)
                 except OSError as exc:
                     # Removed since it was listed (its parent's event says so), or became a symlink
                     # or a file: nothing to report, nothing of ours to follow.
                     if exc.errno not in VANISHED:
                         out.problems.append(("cannot open a directory", path, str(exc)))
+                    if level[0] is None:
+                        children.clear()  # its directory is gone: so are they
                     continue
-                levels.append((fd, path, []))
+                levels.append([fd, path, []])
+                if len(levels) > OPEN_LEVELS + 1 and (far := levels[-OPEN_LEVELS - 1])[0] is not None:
+                    os.close(far[0])
+                    far[0] = None
                 levels[-1][2].extend(self._watch_and_list(fd, path, out, list_dir))
         finally:
             for fd, _, _ in levels:
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
+        self._walked(start, out.unwatched)
         return out
+
+    @staticmethod
+    def _reopen(levels: list[list]) -> int:
+        """A new descriptor of the last level's directory, by name from its nearest open ancestor."""
+        base = next(level for level in reversed(levels) if level[0] is not None)  # the start always is
+        below = levels[-1][1][len(base[1]) + 1 if base[1] else 0:]
+        return open_dir(base[0], below.split("/"))
 
     def _watch_and_list(self, fd: int, directory: str, out: W,
                         list_dir: Callable[[int, str, W], list[str]]) -> list[str]:
@@ -455,7 +577,7 @@ class TreeFollower:
                 out.watches[self._inotify.add_watch(target, self._mask)] = directory
             except OSError as exc:  # ENOSPC: fs.inotify.max_user_watches; ENOENT: just removed
                 if exc.errno != errno.ENOENT:
-                    out.problems.append(("cannot watch a directory", directory or ".", str(exc)))
+                    out.unwatched[directory] = str(exc)
             return list_dir(fd, directory, out)
         except OSError as exc:
             out.problems.append(("cannot list a directory", directory or ".", str(exc)))

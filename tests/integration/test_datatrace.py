@@ -8,6 +8,9 @@ node, holding the ConfigMap's profilingSwitch byte for byte.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -182,3 +185,70 @@ def test_bad_names_bad_values_and_symlinks_are_refused(datatrace, tmp_path):
     refusals = [r for r in agent.logs if r.get("msg") == "profiling switch not flushed"]
     assert {r["object"] for r in refusals} >= {"configmap ns3/data-trace-good", "pod ns3/evil-0", "pod ns3/long-0"}
     assert any("not valid JSON" in r["reason"] for r in refusals)
+
+
+# Removes every directory made in the root the moment it is made. It runs SCHED_FIFO on the one
+# CPU the agent is pinned to, so the kernel switches to it as soon as the agent's mkdir wakes it
+# (the inotify event is queued inside the mkdir): the agent's next call always finds it gone.
+REMOVER = r"""
+import os, sys
+from inotify_simple import INotify, flags
+root, cpu = sys.argv[1], int(sys.argv[2])
+os.sched_setaffinity(0, {cpu})
+os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+inotify = INotify()
+inotify.add_watch(root, flags.CREATE | flags.ONLYDIR)
+print("ready", flush=True)
+while True:
+    for event in inotify.read():
+        if event.mask & flags.ISDIR:
+            try:
+                os.rmdir(os.path.join(root, event.name))
+            except OSError:
+                continue
+            print("removed", flush=True)
+"""
+
+
+def test_a_job_directory_removed_as_it_is_made_never_sends_a_write_outside_the_root(datatrace):
+    standin, root, start = datatrace
+    root.mkdir()
+    agent = start()
+    cwd = Path(os.readlink(f"/proc/{agent.process.pid}/cwd"))
+
+    def strays() -> list[str]:  # a switch file or its temporary file, in the agent's working directory
+        return sorted(p.name for p in cwd.iterdir() if p.name.lstrip(".").startswith("profilingSwitch"))
+
+    assert strays() == []
+    cpu = min(os.sched_getaffinity(0))
+    remover = subprocess.Popen([sys.executable, "-c", REMOVER, str(root), str(cpu)], stdout=subprocess.PIPE, text=True)
+    removals = []
+    try:
+        assert remover.stdout.readline() == "ready\n"
+        threading.Thread(target=lambda: removals.extend(remover.stdout), daemon=True).start()
+        for task in os.listdir(f"/proc/{agent.process.pid}/task"):  # threads made later inherit it
+            os.sched_setaffinity(int(task), {cpu})
+        standin.put(switch_cm("ns5", "race", ON))
+        standin.put(pod("ns5", "race-0", "race"))
+
+        def made_again():  # the first pass and the ones after it: each finds its directory gone
+            assert not strays(), f"written outside the root, in {cwd}: {strays()}"
+            return len(removals) >= 5
+
+        wait_until(made_again, 30, "the sync to keep making the directory")
+        remover.kill()
+        remover.wait(10)
+        converges(root, {"ns5.data-trace-race": ON}, timeout=90)  # at its next retry
+        assert strays() == []
+        standin.put(switch_cm("ns5", "race", OFF))
+        converges(root, {"ns5.data-trace-race": OFF})
+        assert agent.metric("npu_agent_datatrace_operations_total", operation="errors") >= 1
+        assert agent.metric("npu_agent_task_restarts_total", task="datatrace/sync") is None
+        assert agent.http("/readyz")[0] == 200
+    finally:
+        remover.kill()
+        remover.wait(10)
+        for task in os.listdir(f"/proc/{agent.process.pid}/task"):
+            os.sched_setaffinity(int(task), os.sched_getaffinity(0))
+        for name in strays():  # left by a writer that went around the root
+            (cwd / name).unlink()

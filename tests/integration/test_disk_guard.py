@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import random
+import resource
 import shutil
 import stat
 import subprocess
@@ -19,8 +20,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from agent.profiling.disk import DiskGuard
-from tests.integration.harness import wait_until
+from tests.integration.harness import AgentProcess, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 T0 = 1_700_000_000
@@ -55,14 +58,63 @@ async def running(root: Path, limit: int, **kwargs):
 
 
 def walk_sizes(root: Path) -> dict[str, int]:
-    """Regular files under `root` (symlinks neither followed nor counted), as the guard should see them."""
+    """Regular files under `root` (symlinks neither followed nor counted), as the guard should see
+    them; by descriptor, so at any depth."""
     sizes = {}
-    for directory, _, names in os.walk(root):  # followlinks=False
+    for directory, _, names, dir_fd in os.fwalk(root):  # follow_symlinks=False
         for name in names:
-            st = os.lstat(os.path.join(directory, name))
+            st = os.lstat(name, dir_fd=dir_fd)
             if stat.S_ISREG(st.st_mode):
                 sizes[os.path.relpath(os.path.join(directory, name), root)] = st.st_size
     return sizes
+
+
+def make_dirs(base_fd: int, names: list[str]) -> int:
+    """`mkdir -p` of `names` under `base_fd`, one name at a time (past PATH_MAX a path cannot be
+    used); a descriptor of the last one."""
+    fd = os.dup(base_fd)
+    for name in names:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, dir_fd=fd)
+        child = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = child
+    return fd
+
+
+def remove_deep(top: Path) -> None:
+    """`rm -rf` of a tree of any depth, without recursion (shutil.rmtree recurses once per level)."""
+    stack = [(os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW), "")]
+    try:
+        while stack:
+            fd = stack[-1][0]
+            with os.scandir(fd) as entries:
+                listed = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+            subdir = next((name for name, is_dir in listed if is_dir), None)
+            if subdir is not None:
+                stack.append((os.open(subdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd), subdir))
+                continue
+            for name, _ in listed:
+                os.unlink(name, dir_fd=fd)
+            os.close(fd)
+            name = stack.pop()[1]
+            if stack:
+                os.rmdir(name, dir_fd=stack[-1][0])
+    finally:
+        for fd, _ in stack:
+            os.close(fd)
+    os.rmdir(top)
+
+
+def write_at(dir_fd: int, name: str, size: int, mtime_s: float | None = None, append: bool = False) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+    fd = os.open(name, flags, 0o644, dir_fd=dir_fd)
+    try:
+        os.write(fd, b"z" * size)
+    finally:
+        os.close(fd)
+    if mtime_s is not None:
+        os.utime(name, (mtime_s, mtime_s), dir_fd=dir_fd)
 
 
 def write(path: Path, size: int, mtime_s: float | None = None) -> None:
@@ -340,6 +392,89 @@ def test_files_and_directories_vanishing_during_the_scan_leave_an_exact_ledger(t
     run(scenario())
 
 
+def test_files_whose_paths_are_longer_than_path_max_are_measured_and_aged(tmp_path):
+    # The root sits just under PATH_MAX (4,096 bytes), so its record files are past it; a rank
+    # also holds a directory chain 20 names of 250 bytes deep (its files are ~5,000 bytes inside
+    # the root). Every change there is measured, and the record files age like any others.
+    name = "d" * 250
+    top_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    rest = 3950 - len(f"{tmp_path}/profiling")  # the root: 3,950 bytes
+    prefix = [name] * (rest // 251) + ["f" * (rest % 251 - 1)] * (rest % 251 > 1)
+    root = Path(str(tmp_path) + "/" + "/".join(prefix) + "/profiling")
+    job = "j" * 250
+    base = time.time() - 100
+    fds = {}
+    try:
+        fds["root"] = make_dirs(top_fd, [*prefix, "profiling"])
+        for r in ("0", "1"):
+            fds[r] = make_dirs(fds["root"], [job, r])
+            for i in range(5):
+                write_at(fds[r], str(T0 + i), 10 * KIB, base + i)
+        fds["deep"] = make_dirs(fds["0"], ["deep", *[name] * 20])
+        write_at(fds["deep"], "notes.txt", KIB)
+        assert len(str(root)) < 4096 < len(f"{root}/{job}/0/{T0}")
+        deep_file = next(p for p in walk_sizes(root) if p.endswith("notes.txt"))
+        assert len(deep_file) > 4096
+        start_usage = sum(walk_sizes(root).values())
+        limit = start_usage + 5 * KIB
+
+        async def scenario():
+            async with running(root, limit) as guard:
+                await until(lambda: guard.readiness()[0], 10, "the first scan")
+                assert guard.tracked() == walk_sizes(root)
+                write_at(fds["deep"], "notes.txt", 2 * KIB, append=True)
+                write_at(fds["deep"], "more.txt", KIB)
+                await until(lambda: guard.tracked() == walk_sizes(root), 10, "the deep changes to be measured")
+                write_at(fds["0"], str(T0 + 4), 10 * KIB, append=True)  # over the limit
+                await until(lambda: guard.files_aged and guard.usage_bytes <= limit, 10, "aging")
+                await until(lambda: guard.tracked() == walk_sizes(root), 10, "the ledger to match the disk")
+                assert guard.errors == 0
+                assert sorted(os.listdir(fds["0"])) == [*[str(T0 + i) for i in range(1, 5)], "deep"]
+                assert sorted(os.listdir(fds["1"])) == [str(T0 + i) for i in range(1, 5)]
+
+        run(scenario())
+    finally:
+        for fd in [top_fd, *fds.values()]:
+            os.close(fd)
+
+
+def test_a_tree_hundreds_of_levels_deep_is_walked_with_a_bounded_number_of_descriptors():
+    # Two chains of 420 directories (paths past PATH_MAX) side by side, a file at the bottom of
+    # each, walked with descriptors for 300 more files than the process has open: a walk holding
+    # one per level would run out on the way (and starve the rest of the agent meanwhile).
+    # Not under pytest's tmp_path: its clean-up of old runs (shutil.rmtree) recurses once per level.
+    top = Path(tempfile.mkdtemp(prefix="npa-deep-", dir="/tmp"))
+    root = top / "profiling"
+    bottoms = []
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    async def scenario():
+        async with running(root, 10**9) as guard:
+            await until(lambda: guard.readiness()[0], 20, "the first scan")
+            assert guard.tracked() == files and guard.errors == 0
+            for fd in bottoms:
+                write_at(fd, "notes.txt", KIB, append=True)
+            await until(lambda: guard.tracked() == dict.fromkeys(files, 2 * KIB), 10, "the appends to be measured")
+            assert guard.errors == 0
+
+    try:
+        (root / "job" / "0").mkdir(parents=True)
+        for branch in ("x", "y"):
+            base = os.open(root / "job" / "0", os.O_RDONLY | os.O_DIRECTORY)
+            bottoms.append(make_dirs(base, [branch] + ["a" * 10] * 420))
+            os.close(base)
+            write_at(bottoms[-1], "notes.txt", KIB)
+        files = {f"job/0/{branch}/" + "aaaaaaaaaa/" * 420 + "notes.txt": KIB for branch in ("x", "y")}
+        assert all(len(path) > 4096 for path in files)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 300, hard))
+        run(scenario())
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for fd in bottoms:
+            os.close(fd)
+        remove_deep(top)
+
+
 def test_the_agent_ages_its_profiling_root_and_exports_the_figures(start_agent, tmp_path):
     # The whole agent from its configuration: the guard runs, ages, and /metrics says so per node.
     root = tmp_path / "profiling"
@@ -355,6 +490,54 @@ def test_the_agent_ages_its_profiling_root_and_exports_the_figures(start_agent, 
     assert agent.metric("npu_agent_profiling_bytes_aged_total") == 8 * 30 * KIB
     assert agent.metric("npu_agent_profiling_scans_total") == 1
     agent.wait_for_log("aged profiling record files", files=8)
+
+@pytest.mark.parametrize("watches", [8, 0], ids=["ranks-unwatched", "root-unwatched"])
+def test_directories_that_cannot_be_watched_are_measured_until_their_watches_can_be_added(tmp_path, watches):
+    # The agent runs in a user namespace of its own whose inotify limit (user.max_inotify_watches,
+    # counted per user in each namespace) holds `watches` of the tree's 32 directories: nothing
+    # else on the machine is touched. What it cannot watch is measured and aged all the same,
+    # /readyz and /metrics say so, and once the limit is raised every directory gets its watch.
+    root, limit = tmp_path / "profiling", 1 << 20
+    base = time.time() - 1000
+    for r in range(30):
+        for i in range(2):
+            write(root / "job" / str(r) / str(T0 + i), KIB, base + i)
+    agent = AgentProcess(tmp_path, {"devices": {"backend": "simulated"},
+                                    "profiling": {"root": str(root), "disk_limit_mb": 1, "metrics": False}})
+    agent.launcher = ["unshare", "--user", "--map-root-user", "sh", "-c",
+                      'echo "$0" > /proc/sys/user/max_inotify_watches && exec "$@"', str(watches)]
+
+    def usage_converged():
+        on_disk = sum(walk_sizes(root).values())
+        return on_disk <= limit and agent.metric("npu_agent_profiling_disk_usage_bytes") == on_disk
+
+    agent.start()
+    try:
+        wait_until(lambda: "cannot be watched" in agent.http("/readyz")[1], 20, "/readyz to say so")
+        assert agent.http("/readyz")[0] == 503
+        unwatched = agent.metric("npu_agent_profiling_unwatched_directories")
+        assert unwatched == 32 - watches, unwatched
+        agent.wait_for_log("profiling tree: directories cannot be watched; walking them again until they can be")
+        # 6 MiB more, in every rank, watched or not.
+        for r in range(30):
+            for i in range(2, 12):
+                write(root / "job" / str(r) / str(T0 + i), 20 * KIB, base + i)
+        wait_until(usage_converged, 90, "usage measured and brought under the limit without watches")
+        assert agent.metric("npu_agent_profiling_files_aged_total") > 0
+
+        raised = subprocess.run(["nsenter", "--user", "--target", str(agent.process.pid), "sh", "-c",
+                                 "echo 100000 > /proc/sys/user/max_inotify_watches"], capture_output=True, text=True)
+        assert raised.returncode == 0, raised.stderr
+        wait_until(lambda: agent.http("/readyz")[0] == 200, 90, "every directory watched")
+        assert agent.metric("npu_agent_profiling_unwatched_directories") == 0
+        agent.wait_for_log("profiling tree: every directory is watched again")
+        # Watched now: a rank that was not crosses the limit and is aged at once, by its events.
+        write(root / "job" / "29" / str(T0 + 20), 100 * KIB, base + 20)
+        wait_until(lambda: sum(walk_sizes(root).values()) <= limit, 10, "aging after a watched write")
+        wait_until(usage_converged, 10, "usage to match the disk")
+    finally:
+        agent.stop()
+
 
 UNREADABLE_SCRIPT = r"""
 import asyncio, json, logging, os, sys

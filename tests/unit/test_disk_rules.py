@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent.profiling.disk_rules import UsageLedger, choose_victims, is_record_name
+from agent.profiling.disk_rules import Scopes, UsageLedger, choose_victims, is_record_name
 
 T0 = 1_763_456_789  # a 10-digit Unix second
 
@@ -50,6 +50,22 @@ def test_remove_tree_drops_a_prefix_and_only_that_prefix():
     assert ledger.total == 24
     assert ledger.remove_tree("job10/0") == 1 and ledger.total == 16
     assert ledger.remove_tree("") == 1 and (ledger.total, len(ledger)) == (0, 0)
+
+
+def test_remove_trees_drops_many_prefixes_in_one_pass():
+    ledger = ledger_of(*((f"job/{r}/{name}", 1, 0) for r in range(3000) for name in ("a", "b")), ("job/30x", 2, 0),
+                       ("other/3/c", 4, 0))
+    assert ledger.remove_trees(f"job/{r}" for r in range(0, 3000, 2)) == 3000
+    assert len(ledger) == 3002 and not any(ledger.files_in(f"job/{r}") for r in range(0, 3000, 2))
+    assert ledger.files_in("job/31") and ledger.get("job/30x") and ledger.get("other/3/c")
+    assert ledger.remove_trees(["job/30x", "other"]) == 2 and len(ledger) == 3000
+
+
+def test_scopes_hold_a_path_when_it_is_one_of_them_or_below_one():
+    scopes = Scopes(["job", "job/1", "x/y"])
+    assert scopes.holding("job/1/a") == ["job", "job/1"]
+    assert scopes.holding("job10/1") == [] and scopes.holding("x/yz") == [] and scopes.holding("x") == []
+    assert scopes.holding("x/y") == ["x/y"] and Scopes([""]).holding("any/thing") == [""]
 
 
 def test_record_names_are_exactly_ten_ascii_digits():
