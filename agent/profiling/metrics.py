@@ -124,12 +124,12 @@ class StepCollector:
                                       labels=["node", "job_id", "rank"])
         lag = GaugeMetricFamily("training_profiling_lag_seconds", "Now minus the newest host record timestamp read",
                                 labels=["node", "job_id", "rank"])
-        jobs: dict[str, tuple[str, str]] = {}
+        jobs: dict[str, tuple[str, str, str]] = {}  # job_id -> its namespace, name and id as label values
         for key, series in sorted(steps.ranks.items(), key=lambda kv: (kv[0].job_id, kv[0].rank)):
             if key.job_id not in jobs:
-                jobs[key.job_id] = steps.job_labels(key.job_id)
-            namespace, job_name = jobs[key.job_id]
-            labels = [node, namespace, job_name, key.job_id, str(key.rank), series.stage]
+                jobs[key.job_id] = tuple(map(_label, (*steps.job_labels(key.job_id), key.job_id)))
+            namespace, job_name, job_id = jobs[key.job_id]
+            labels = [node, namespace, job_name, job_id, str(key.rank), series.stage]
             for clock, histogram in sorted(series.steps.items()):
                 duration.add_metric([*labels, clock], histogram.buckets(), histogram.total)
             for phase, histogram in sorted(series.phases.items()):
@@ -149,14 +149,14 @@ class StepCollector:
             for reason in REASONS:
                 slow.add_metric([*labels, reason], int(state is not None and state.slow[reason]))
                 detections.add_metric([*labels, reason], state.detections[reason] if state is not None else 0)
-            records.add_metric([node, key.job_id, str(key.rank)], series.records)
+            records.add_metric([node, job_id, str(key.rank)], series.records)
             newest = series.assembler.newest_host_ns
             if newest:
-                lag.add_metric([node, key.job_id, str(key.rank)], max(0.0, now - newest / 1e9))
+                lag.add_metric([node, job_id, str(key.rank)], max(0.0, now - newest / 1e9))
         node_slow = GaugeMetricFamily("training_node_slow", "1 while this node is slow for the job, by reason",
                                       labels=["node", "namespace", "job_name", "job_id", "reason"])
-        for job_id, (namespace, job_name) in jobs.items():
-            for reason, value in steps.detector.node_verdict(job_id).items():
+        for job, (namespace, job_name, job_id) in jobs.items():
+            for reason, value in steps.detector.node_verdict(job).items():
                 node_slow.add_metric([node, namespace, job_name, job_id, reason], int(value))
         errors = CounterMetricFamily("training_profiling_parse_errors", "Bad profiling input skipped, by reason",
                                      labels=["node", "reason"])
@@ -164,3 +164,9 @@ class StepCollector:
             errors.add_metric([node, reason], count)
         yield from (duration, phases, last, completed, total, baseline, ratio, compute, slow, detections, node_slow,
                     records, lag, errors)
+
+
+def _label(value: str) -> str:
+    """A value the exposition can encode: one str that is not UTF-8 (a lone surrogate, from a file
+    name or JSON) would fail the whole scrape, so its surrogates are shown escaped."""
+    return value if value.isascii() else value.encode(errors="backslashreplace").decode()

@@ -4,7 +4,10 @@ TaskD's writer (`taskd.md` §1.5) prints every marker with Go's `json.Marshal` o
 tags: the keys always come in the same order, compact, one object per line. One anchored regular
 expression over a whole chunk therefore parses the common case in C; a line it does not match
 (another key order, an API or kernel record, garbage) goes through `json.loads` and is validated
-field by field. Names stay bytes: only a start record's name is ever looked at.
+field by field. The expression accepts only what `json.loads` accepts too, with the same values
+(JSON's escapes and numbers, no control character, UTF-8), and no escaped surrogate: a name must
+be text, and an unpaired `\\ud800`, which `json.loads` lets through, is refused by the slow path.
+Names stay bytes: only a start record's name is ever looked at.
 
 A marker is the plain tuple of its fields' raw JSON text, `(flag, source, timestamp_ns, id, pid,
 name, domain)`, all bytes: at several hundred thousand records a second, converting only what the
@@ -27,11 +30,14 @@ END_FLAGS = frozenset((b"4", b"32"))
 WITH_DEVICE_FLAGS = frozenset((b"16", b"32"))
 MAX_U64 = (1 << 64) - 1
 
+_DIGITS = rb"(?:0|[1-9]\d{0,18})"  # 19 digits at most: below 2**64 unchecked; longer ones take the slow path
+_NUMBER = b"(" + _DIGITS + b")"
+_STRING = rb'"([^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u(?![dD][89a-fA-F])[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*)"'
 _MARKER = re.compile(
-    rb'^\{"Kind":1,"Flag":(\d{1,10}),"SourceKind":([01]),"Timestamp":(\d{1,20}),"Id":(\d{1,20}),'
-    rb'"MsptiObjectId":\{"Pt":\{"ProcessId":(\d{1,10}),"ThreadId":\d{1,10}\},'
-    rb'"Ds":\{"DeviceId":\d{1,10},"StreamId":\d{1,10}\}\},'
-    rb'"Name":"([^"\\\n]*(?:\\.[^"\\\n]*)*)","Domain":"([^"\\\n]*(?:\\.[^"\\\n]*)*)"\}$', re.M)
+    rb'^\{"Kind":1,"Flag":' + _NUMBER + rb',"SourceKind":([01]),"Timestamp":' + _NUMBER + rb',"Id":' + _NUMBER +
+    rb',"MsptiObjectId":\{"Pt":\{"ProcessId":' + _NUMBER + rb',"ThreadId":' + _DIGITS +
+    rb'\},"Ds":\{"DeviceId":' + _DIGITS + rb',"StreamId":' + _DIGITS + rb'\}\},'
+    rb'"Name":' + _STRING + rb',"Domain":' + _STRING + rb'\}$', re.M)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +58,7 @@ def parse(data: bytes) -> Parsed:
     """Parse complete lines (`data` ends with b"\\n"); blank lines are skipped silently."""
     out = Parsed()
     found = _MARKER.findall(data)
-    if len(found) == data.count(b"\n"):  # every line matched: the writer's own format
+    if len(found) == data.count(b"\n") and _utf8(data):  # every line matched: the writer's own format
         out.markers = found
         return out
     for line in data.split(b"\n"):
@@ -68,14 +74,24 @@ def text(raw: bytes) -> bytes:
     return json.loads(b'"' + raw + b'"').encode()
 
 
+def _utf8(data: bytes) -> bool:
+    if data.isascii():
+        return True
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def _parse_line(line: bytes, out: Parsed) -> None:
     match = _MARKER.fullmatch(line) if line.startswith(b'{"Kind":1,') else None
-    if match is not None:
+    if match is not None and _utf8(line):
         out.markers.append(match.groups())
         return
     try:
-        record = json.loads(line)
-    except (ValueError, UnicodeDecodeError):
+        record = json.loads(line.decode())  # UTF-8, as the writer writes: no guess at UTF-16, no raw surrogate
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         out.errors.append(("not_json", line[:200]))
         return
     if not isinstance(record, dict):
@@ -96,8 +112,8 @@ def _parse_line(line: bytes, out: Parsed) -> None:
     if any(v is None for v in fields) or name is None or domain is None:
         out.errors.append(("missing_field", line[:200]))
         return
-    if not (all(_is_int(v, 0, MAX_U64) for v in fields) and fields[1] in (0, 1) and isinstance(name, str)
-            and isinstance(domain, str) and _is_int(pid, 0, MAX_U64)):
+    if not (all(_is_int(v, 0, MAX_U64) for v in fields) and fields[1] in (0, 1) and _is_text(name)
+            and _is_text(domain) and _is_int(pid, 0, MAX_U64)):
         out.errors.append(("bad_field", line[:200]))
         return
     flag, source, timestamp, ident = (str(v).encode() for v in fields)
@@ -107,6 +123,17 @@ def _parse_line(line: bytes, out: Parsed) -> None:
 def _escaped(value: str) -> bytes:
     """The raw JSON text of a string's content, as the fast path leaves it."""
     return json.dumps(value)[1:-1].encode()
+
+
+def _is_text(value) -> bool:
+    """A str that is Unicode text: `json.loads` also gives unpaired surrogates from `\\ud800` escapes."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_int(value, low: int, high: int) -> bool:

@@ -7,23 +7,31 @@ the steps that re-reading finds a second time are dropped by (process, step numb
 in `<state_dir>/steps.json` with the detector's baselines (a restart goes on judging a rank whose
 training process did not restart, instead of learning it for 70 steps). Bad input is counted by reason and logged at most once a minute per
 file and reason; it never stops the rest.
+
+Every `upkeep_s`, whether records arrive or not, ranks whose directory went or that stopped writing
+leave the scrape after their grace, and the state is saved when it changed. Memory is bounded per
+node, not only per rank: the entries kept for ranges and steps still to complete (per rank at most
+~48,000, see `steps`) are at most MAX_HELD over all ranks; above it the ranks holding the most drop
+their oldest, counted as `node_limit`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.fsutil import atomic_write
+from agent.fsutil import atomic_write, read_state
 from agent.profiling.detect import SlowRankDetector
 from agent.profiling.records import RankKey, parse
 from agent.profiling.steps import CHECKPOINT, DATALOADER, FORWARD, RankAssembler, StepSample
 from agent.profiling.tail import Position
+from agent.tasks import Tasks
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +45,10 @@ PHASE_BUCKETS = {
 LOG_EVERY_S = 60.0
 GONE_GRACE_S = 60.0  # a rank whose directory was removed stays in the scrape this long
 IDLE_GRACE_S = 600.0  # a rank with no new record for this long is dropped (its job ended)
-SAVE_EVERY_S = 5.0
+UPKEEP_S = 5.0  # expiry and saving of the state
+MAX_HELD = 131_072  # entries held for unfinished ranges and steps, over all ranks: ~46 MiB at worst (measured)
+MAX_PROCESSES = 16  # per rank, the processes whose newest step is kept (a rank runs one at a time)
+LOGGED_MAX = 4096  # (rank, file, reason) whose last log time is kept
 
 
 @dataclass
@@ -89,6 +100,7 @@ class RankSeries:
     end: tuple | None = None  # (file, offset) just after the last line read
     last_input_at: float = 0.0
     gone_at: float | None = None
+    held: int = 0  # assembler.held at the end of the last batch
 
 
 class StepMetrics:
@@ -97,25 +109,31 @@ class StepMetrics:
     name = "step-metrics"
 
     def __init__(self, state_file: Path, *, detector: SlowRankDetector | None = None,
-                 clock: Callable[[], float] = time.time, job_labels: Callable[[str], tuple[str, str]] | None = None):
+                 clock: Callable[[], float] = time.time, job_labels: Callable[[str], tuple[str, str]] | None = None,
+                 upkeep_s: float = UPKEEP_S, max_held: int = MAX_HELD):
         self.detector = detector or SlowRankDetector()
         self.ranks: dict[RankKey, RankSeries] = {}
         self.parse_errors: Counter = Counter()  # reason -> count
         self.commit: Callable[[RankKey, object], None] = lambda key, position: None  # set by whoever wires the tailer
+        self.tasks = Tasks(self.name)
         self._state_file = state_file
         self._clock = clock
         self._job_labels = job_labels or (lambda job_id: ("", ""))
+        self._upkeep_s = upkeep_s
+        self._max_held = max_held
+        self._held = 0  # sum of the ranks' `held`
         self._dirty: set[RankKey] = set()
-        self._logged: dict[tuple, float] = {}
-        self._saved_at = 0.0
+        self._logged: OrderedDict[tuple, float] = OrderedDict()  # (job, rank, file, reason) -> when last logged
         self._unsaved = False
-        self._baselines: dict[str, dict] = {}  # job/rank -> the detector's baselines of the last run
-        self._restored = self._load()
+        # job/rank -> (the newest step of each process, the detector's baselines) of the last run
+        self._restored: dict[str, tuple[dict, dict | None]] = read_state(
+            state_file, "step state", _parse_state, clock) or {}
 
     async def start(self) -> None:
-        pass  # fed by the tailer
+        self.tasks.start("upkeep", self._upkeep)  # fed by the tailer; this only keeps time
 
     async def stop(self) -> None:
+        await self.tasks.stop()
         self.save()
 
     def readiness(self) -> tuple[bool, str]:
@@ -149,10 +167,9 @@ class StepMetrics:
             series.gone_at = self._clock()
 
     def on_bad_input(self, key, reason: str, detail: str) -> None:
-        self._bad(key, reason, detail, "")
+        self._bad(key, reason, detail, "" if key else detail)  # without a rank: a directory, each reported once
 
     def on_batch_end(self) -> None:
-        now = self._clock()
         for rank_key in self._dirty:
             series = self.ranks.get(rank_key)
             if series is None:
@@ -161,14 +178,28 @@ class StepMetrics:
                 self._count(series, sample)
             for reason, count in series.assembler.errors.items():
                 if count:
-                    self._bad(rank_key, reason, f"{count} since the last report", series.end[0] if series.end else "")
+                    self._bad(rank_key, reason, f"{count} since the last report", series.end[0] if series.end else "",
+                              count)
             series.assembler.errors.clear()
             needed = series.assembler.oldest_needed() or series.end
             if needed is not None:
                 self.commit(rank_key, Position(*needed))
+            series.assembler.compact()
+            self._held += series.assembler.held - series.held
+            series.held = series.assembler.held
         self._dirty.clear()
-        self._expire(now)
-        if self._unsaved and now - self._saved_at >= SAVE_EVERY_S:
+        if self._held > self._max_held:
+            self._shed()
+
+    async def _upkeep(self) -> None:
+        while True:
+            await asyncio.sleep(self._upkeep_s)
+            self.upkeep()
+
+    def upkeep(self) -> None:
+        """Drop the ranks past their grace and save the state if it changed."""
+        self._expire(self._clock())
+        if self._unsaved:
             self.save()
 
     # ---- state ----------------------------------------------------------------------------------
@@ -177,16 +208,18 @@ class StepMetrics:
         series = self.ranks.get(key)
         if series is None:
             series = self.ranks[key] = RankSeries(key, last_input_at=self._clock())
-            name = f"{key.job_id}/{key.rank}"
-            series.last_steps = dict(self._restored.get(name, {}))
-            if name in self._baselines:
-                self.detector.restore(key, self._baselines[name])
+            series.last_steps, baseline = self._restored.pop(f"{key.job_id}/{key.rank}", ({}, None))
+            if baseline is not None:
+                self.detector.restore(key, baseline)
         return series
 
     def _count(self, series: RankSeries, sample: StepSample) -> None:
         if sample.step <= series.last_steps.get(sample.pid, -1):
             return  # read again after a restart: counted already
+        series.last_steps.pop(sample.pid, None)  # the newest process last: the oldest is the one forgotten
         series.last_steps[sample.pid] = sample.step
+        if len(series.last_steps) > MAX_PROCESSES:
+            del series.last_steps[next(iter(series.last_steps))]
         self._unsaved = True
         series.steps_total += 1
         series.steps.setdefault(sample.clock, Histogram(STEP_BUCKETS)).observe(sample.duration_s)
@@ -203,32 +236,44 @@ class StepMetrics:
             gone = series.gone_at is not None and now - series.gone_at > GONE_GRACE_S
             if gone or now - series.last_input_at > IDLE_GRACE_S:
                 del self.ranks[key]
+                self._held -= series.held
+                self._unsaved = True  # and from the state
                 self.detector.forget(key)
                 log.info("training rank dropped from the metrics", extra={
                     "job_id": key.job_id, "rank": key.rank, "why": "directory removed" if gone else "no records"})
 
-    def _bad(self, key, reason: str, detail: str, file: str) -> None:
-        self.parse_errors[reason] += 1
+    def _shed(self) -> None:
+        """Over the node-wide bound: every rank keeps what it holds up to one level, set so the sum
+        fits; those holding more drop their oldest."""
+        ranks = sorted(self.ranks.values(), key=lambda series: series.held)
+        left = level = self._max_held
+        for index, series in enumerate(ranks):
+            level = left // (len(ranks) - index)
+            if series.held > level:
+                break
+            left -= series.held
+        dropped = 0
+        for series in ranks:
+            dropped += series.assembler.shed(level)
+            self._held += series.assembler.held - series.held
+            series.held = series.assembler.held
+        self._bad(None, "node_limit", f"{dropped} marker entries of the ranks holding the most dropped, to keep "
+                  f"{self._max_held} over {len(ranks)} ranks", "", dropped)
+
+    def _bad(self, key, reason: str, detail: str, file: str, count: int = 1) -> None:
+        self.parse_errors[reason] += count
         where = (getattr(key, "job_id", None), getattr(key, "rank", None), file, reason)
         now = self._clock()
-        if now - self._logged.get(where, -LOG_EVERY_S) >= LOG_EVERY_S:
-            self._logged[where] = now
-            log.warning("bad profiling input skipped", extra={
-                "job_id": where[0], "rank": where[1], "file": file, "reason": reason, "detail": detail})
-
-    def _load(self) -> dict:
-        try:
-            data = json.loads(self._state_file.read_text())
-            ranks = data["ranks"]
-            restored = {str(k): {int(pid): int(step) for pid, step in v.items()} for k, v in ranks.items()}
-            self._baselines = {str(k): _baseline(v) for k, v in data.get("baselines", {}).items()}
-            return restored
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            log.warning("step state unreadable; steps read again after this restart may be counted twice",
-                        extra={"path": str(self._state_file), "error": str(exc)})
-            return {}
+        if now - self._logged.get(where, -LOG_EVERY_S) < LOG_EVERY_S:
+            return
+        while self._logged and now - next(iter(self._logged.values())) >= LOG_EVERY_S:
+            self._logged.popitem(last=False)  # logged over a minute ago: holds no log back
+        if len(self._logged) >= LOGGED_MAX:
+            return  # that many distinct problems within a minute: counted only
+        self._logged.pop(where, None)
+        self._logged[where] = now  # in the order logged
+        log.warning("bad profiling input skipped", extra={
+            "job_id": where[0], "rank": where[1], "file": file, "reason": reason, "detail": detail})
 
     def save(self) -> None:
         ranks = {f"{k.job_id}/{k.rank}": {str(pid): step for pid, step in s.last_steps.items()}
@@ -240,19 +285,39 @@ class StepMetrics:
         except OSError as exc:
             log.error("cannot save the step state", extra={"path": str(self._state_file), "error": str(exc)})
             return
-        self._saved_at, self._unsaved = self._clock(), False
+        self._unsaved = False
 
     def job_labels(self, job_id: str) -> tuple[str, str]:
         return self._job_labels(job_id)
 
 
+def _parse_state(doc: dict) -> dict[str, tuple[dict, dict | None]]:
+    """`steps.json` as `save` writes it, checked: anything else raises (and the file is moved aside)."""
+    if doc.get("version") != 1:
+        raise ValueError("not a version 1 step state")
+    baselines = {name: _baseline(saved) for name, saved in doc.get("baselines", {}).items()}
+    return {name: ({int(pid): _int(step) for pid, step in steps.items()}, baselines.get(name))
+            for name, steps in doc["ranks"].items()}
+
+
 def _baseline(saved: dict) -> dict:
-    """A saved baseline, checked: a wrong type raises (and the whole state is ignored)."""
-    numbers = {k: (None if saved[k] is None else float(saved[k]))
+    numbers = {k: (None if saved[k] is None else _number(saved[k]))
                for k in ("baseline", "sigma", "compute_baseline", "rest_baseline")}
     if numbers["baseline"] is None or numbers["sigma"] is None:
         raise ValueError("a baseline without its value")
-    return {"pid": int(saved["pid"]), **numbers}
+    return {"pid": _int(saved["pid"]), **numbers}
+
+
+def _int(value) -> int:
+    if type(value) is not int:
+        raise TypeError(f"not an integer: {value!r:.40}")
+    return value
+
+
+def _number(value) -> float:
+    if type(value) not in (int, float):
+        raise TypeError(f"not a number: {value!r:.40}")
+    return float(value)  # strict JSON has no NaN or infinity; an int too large for a float raises
 
 
 def pipeline_stage(group: dict, rank: int) -> str | None:

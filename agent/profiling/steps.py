@@ -18,9 +18,10 @@ reads again from there and loses no step; steps it finalises twice are dropped b
 from __future__ import annotations
 
 import re
+import sys
 from bisect import bisect_left
 from collections import Counter
-from itertools import accumulate
+from itertools import accumulate, islice
 from dataclasses import dataclass, field
 
 from agent.profiling.records import END_FLAGS, START_FLAGS, WITH_DEVICE_FLAGS, text
@@ -213,12 +214,41 @@ class RankAssembler:
         self._phases = [r for r in self._phases if r.source not in cut
                         or (r.end if r.phase == CHECKPOINT else r.start) >= cut[r.source]]
 
+    @property
+    def held(self) -> int:
+        """Entries kept for what is still to come (names, half-seen ranges, steps, phases): what grows."""
+        return len(self._names) + len(self._open[0]) + len(self._open[1]) + len(self._steps) + len(self._phases)
+
+    def shed(self, keep: int) -> int:
+        """Drop the oldest entries of each kind, in proportion, so that at most `keep` stay; how many went."""
+        held = self.held
+        if held <= keep:
+            return 0
+        share = keep / held
+
+        def newest(entries: dict) -> dict:
+            return dict(islice(entries.items(), len(entries) - int(len(entries) * share), None))
+
+        self._names, self._steps, self._open = newest(self._names), newest(self._steps), tuple(map(newest, self._open))
+        self._phases = self._phases[len(self._phases) - int(len(self._phases) * share):]
+        return held - self.held
+
+    def compact(self) -> None:
+        """Give back the room of entries gone: a dict keeps the size it once grew to (a list shrinks)."""
+        self._names, self._steps = _compact(self._names), _compact(self._steps)
+        self._open = tuple(map(_compact, self._open))
+
     def oldest_needed(self) -> object | None:
         """The position of the oldest record that a step still to come may need; None: nothing."""
         candidates = [v[3] for pending in self._open for v in pending.values()]
         candidates += [s.position for s in self._steps.values()]
         candidates += [r.position for r in self._phases]
         return min(candidates) if candidates else None
+
+
+def _compact(entries: dict) -> dict:
+    size = sys.getsizeof(entries)  # O(1): the table, not the entries; a fresh dict takes 36-47 bytes per entry
+    return dict(entries) if size > 8192 and size > 256 * len(entries) else entries
 
 
 def _index(ranges: list[_Range]) -> dict:

@@ -10,8 +10,9 @@ that rank "dirty", and one trip to a worker thread reads every dirty rank from i
 
 Positions
 - Each rank has a cursor (file, offset of the first byte not delivered). A read delivers up to the
-  last `\\n`; a partial last line is read again with the next event (it is at most 1 MiB: a longer
-  one is reported as `line_too_long` and skipped to its newline).
+  last `\\n`; a partial last line is read again with the next event. A line is at most 1 MiB
+  (LINE_MAX, without its newline): a longer one, whether a read holds all of it or not, is reported
+  as `line_too_long` and skipped to its newline.
 - Files are read in name order. Whether a newer file exists is settled *before* the current one is
   read to its end: the writer finishes a file before it starts the next, so that read sees all the
   older file will ever hold. A partial line left at its end is dropped (`partial_line_at_rotation`)
@@ -26,6 +27,9 @@ Positions
   the agent starts, the end of the last complete line of the newest file (history is not replayed;
   `replay_existing=True` reads it from 0); else (a rank, job or root that appears while running)
   offset 0 of its first file.
+- A job directory whose name is not UTF-8 (a job's UID is ASCII; such a name cannot be a label) and a
+  rank directory whose name is not a canonical number are reported once (`job_dir`, `rank_dir`)
+  and not followed.
 - `records_lost` is reported when a file is deleted with bytes the tailer knew of but had not read
   (its size from the last walk or read, so a file deleted before the tailer ever saw its size, or
   one created and deleted while the agent was down, is not noticed). The current file truncated
@@ -54,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from agent.fsutil import atomic_write
+from agent.fsutil import atomic_write, read_state
 from agent.profiling.disk_rules import is_record_name
 from agent.profiling.records import RankKey
 from agent.profiling.tree import (BACKLOG_MAX, BATCH_WINDOW_S, CLOSED, DIR_FLAGS, DIR_GONE, DIR_NEW, LAST_GONE,
@@ -97,11 +101,23 @@ class TailConsumer(Protocol):
 
 
 BAD_INPUT_REASONS = ("records_lost", "partial_line_at_rotation", "file_truncated", "file_replaced", "line_too_long",
-           "rank_dir", "parallel_group")
+           "job_dir", "rank_dir", "parallel_group")
 
 
 def _is_rank_name(name: str) -> bool:
     return _RANK_NAME.fullmatch(name) is not None
+
+
+def _is_dir_name(depth: int, name: str) -> bool:
+    """A job directory's name (depth 0 lists jobs) must be UTF-8, as a job's UID is, to be a label;
+    a rank directory's (depth 1) a canonical number."""
+    if depth == 1:
+        return _is_rank_name(name)
+    try:
+        name.encode()  # a name that is not UTF-8 comes from os.listdir as lone surrogates
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _depth(directory: str) -> int:
@@ -133,7 +149,7 @@ class _RankSeen:
 @dataclass
 class _Walk(Walk):
     ranks: list[_RankSeen] = field(default_factory=list)
-    bad_rank_dirs: list[str] = field(default_factory=list)
+    bad_dirs: list[str] = field(default_factory=list)  # job or rank directories not followed
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,8 +344,8 @@ class ProfilingTailer(TreeFollower):
                 self._new_rank(found, fresh)
             else:
                 self._merge(rank, found)
-        for path in walk.bad_rank_dirs:
-            self._bad_rank_dir(path)
+        for path in walk.bad_dirs:
+            self._bad_dir(path)
 
     def _new_rank(self, found: _RankSeen, fresh: bool) -> None:
         job, _, rank_name = found.path.rpartition("/")
@@ -398,11 +414,11 @@ class ProfilingTailer(TreeFollower):
             self._bad(rank.key, "records_lost",
                       f"{rank.path}/{name} deleted with {size - read} byte(s) not read (read to {read} of {size})")
 
-    def _bad_rank_dir(self, path: str) -> None:
+    def _bad_dir(self, path: str) -> None:
         if path in self._bad_dirs or len(self._bad_dirs) >= BACKLOG_MAX:
             return
         self._bad_dirs.add(path)
-        self._bad(None, "rank_dir", path)
+        self._bad(None, "rank_dir" if "/" in path else "job_dir", os.fsencode(path).decode(errors="backslashreplace"))
 
     # ---- events ---------------------------------------------------------------------------------
 
@@ -416,10 +432,10 @@ class ProfilingTailer(TreeFollower):
                 if what & DIR_GONE:
                     self._forget_dir(path)
                 if what & DIR_NEW:
-                    if depth == 1 and not _is_rank_name(name):
-                        self._bad_rank_dir(path)
-                    else:
+                    if _is_dir_name(depth, name):
                         new_dirs.append(path)
+                    else:
+                        self._bad_dir(path)
             elif (rank := self._ranks.get(directory)) is not None:
                 self._file_event(rank, name, what)
 
@@ -640,12 +656,11 @@ class ProfilingTailer(TreeFollower):
                 buf = buf + chunk if buf else chunk
                 last = buf.rfind(b"\n")
                 if last >= 0:
-                    out.events.append(("lines", name, offset, buf[:last + 1]))
+                    self._lines_of(name, offset, buf[:last + 1], out)
                     offset += last + 1
                     buf = buf[last + 1:]
                 if len(buf) > LINE_MAX:
-                    out.events.append(("bad", "line_too_long", f"{name}: a line at offset {offset} is longer "
-                                       f"than {LINE_MAX} bytes; skipped to its newline"))
+                    out.events.append(_too_long(name, offset))
                     offset, buf, skipping = offset + len(buf), b"", True
             cursor = _Cursor(name, offset, st.st_ino, skipping)
             return cursor, ("eof" if pos >= size else "more"), pos - offset
@@ -654,6 +669,23 @@ class ProfilingTailer(TreeFollower):
             return cursor, "error", 0
         finally:
             os.close(fd)
+
+    @staticmethod
+    def _lines_of(name: str, offset: int, block: bytes, out: _Outcome) -> None:
+        """Hand over `block`, whole lines read at `offset`, less those longer than LINE_MAX. A window of
+        LINE_MAX + 1 bytes holding no newline is the start of one, so a few searches cover a 4 MiB read."""
+        start = line = 0  # what is not handed over yet; the first line not checked
+        while len(block) - line > LINE_MAX + 1:  # a line starting here may be too long
+            end = block.rfind(b"\n", line, line + LINE_MAX + 1)
+            if end >= 0:  # every line starting up to `end` ends by it
+                line = end + 1
+                continue
+            if line > start:
+                out.events.append(("lines", name, offset + start, block[start:line]))
+            out.events.append(_too_long(name, offset + line))
+            start = line = block.index(b"\n", line + LINE_MAX) + 1
+        if start < len(block):
+            out.events.append(("lines", name, offset + start, block[start:]))
 
     @staticmethod
     def _read_group(dir_fd: int) -> _Group:
@@ -704,10 +736,8 @@ class ProfilingTailer(TreeFollower):
             return []
         with os.scandir(fd) as entries:
             children = [entry.name for entry in entries if entry.is_dir(follow_symlinks=False)]
-        if depth == 1:
-            out.bad_rank_dirs.extend(join(directory, name) for name in children if not _is_rank_name(name))
-            children = [name for name in children if _is_rank_name(name)]
-        return children
+        out.bad_dirs.extend(join(directory, name) for name in children if not _is_dir_name(depth, name))
+        return [name for name in children if _is_dir_name(depth, name)]
 
     def _list_rank(self, fd: int, directory: str, want_ends: bool, out: _Walk) -> _RankSeen:
         found = _RankSeen(directory, os.fstat(fd).st_ino)
@@ -758,34 +788,8 @@ class ProfilingTailer(TreeFollower):
     # ---- the state file -------------------------------------------------------------------------
 
     def _load_state(self) -> None:
-        try:
-            raw = self.state_file.read_bytes()
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            self._state_unusable(str(exc))
-            return
-        try:
-            doc = json.loads(raw)
-            if doc.get("version") != STATE_VERSION or not isinstance(doc.get("ranks"), dict):
-                raise ValueError(f"not a version {STATE_VERSION} state with a ranks object")
-            resume = {}
-            for name, entry in doc["ranks"].items():
-                job, _, rank = name.rpartition("/")
-                file, offset, size = entry.get("file"), entry.get("offset"), entry.get("size")
-                if not (job and _is_rank_name(rank) and isinstance(file, str) and is_record_name(file)
-                        and type(offset) is int and offset >= 0 and (size is None or type(size) is int)):
-                    raise ValueError(f"bad entry {name!r}: {entry!r}")
-                resume[RankKey(job, int(rank))] = (Position(file, offset), size)
-        except (ValueError, TypeError, AttributeError, RecursionError) as exc:
-            self._state_unusable(str(exc))
-            return
-        self._resume = resume
-
-    def _state_unusable(self, error: str) -> None:
-        self._errors += 1
-        log.error("profiling tailer state unreadable; starting without it (ranks start as if new)",
-                  extra={"path": str(self.state_file), "error": error})
+        # One of the wrong shape is moved aside: ranks start as if new (from the end of their newest file).
+        self._resume = read_state(self.state_file, "profiling tailer state", _parse_state) or {}
 
     def _save_state(self) -> None:
         if not self._state_dirty:
@@ -822,3 +826,22 @@ class ProfilingTailer(TreeFollower):
                 self._logged.add(("consumer", method))
                 log.exception(f"profiling tailer: the consumer's {method} failed; the tailer goes on",
                               extra={"root": self._root})
+
+
+def _too_long(name: str, offset: int) -> tuple:
+    return ("bad", "line_too_long", f"{name}: a line at offset {offset} is longer than {LINE_MAX} bytes; skipped")
+
+
+def _parse_state(doc: dict) -> dict[RankKey, tuple[Position, int | None]]:
+    """The state file as `_save_state` writes it, checked: anything else raises."""
+    if doc.get("version") != STATE_VERSION or not isinstance(doc.get("ranks"), dict):
+        raise ValueError(f"not a version {STATE_VERSION} state with a ranks object")
+    resume = {}
+    for name, entry in doc["ranks"].items():
+        job, _, rank = name.rpartition("/")
+        file, offset, size = entry.get("file"), entry.get("offset"), entry.get("size")
+        if not (job and _is_rank_name(rank) and isinstance(file, str) and is_record_name(file)
+                and type(offset) is int and offset >= 0 and (size is None or type(size) is int)):
+            raise ValueError(f"bad entry {name!r:.80}: {entry!r:.200}")
+        resume[RankKey(job, int(rank))] = (Position(file, offset), size)
+    return resume

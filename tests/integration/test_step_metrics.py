@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
+
+import pytest
 
 from agent.demo_job import DemoJob
 from agent.profiling.synthetic import RankTiming
@@ -132,3 +136,44 @@ def test_series_carry_the_namespace_and_job_name_of_the_local_pods(start_agent, 
     # Job labels and datatrace share one list and one watch of this node's pods.
     pod_calls = [path for method, path in standin.requests if method == "GET" and path.startswith("/api/v1/pods")]
     assert [("watch=true" in path) for path in pod_calls] == [False, True], pod_calls
+
+
+def test_a_job_directory_whose_name_is_not_utf8_is_skipped_and_every_scrape_answers(start_agent, tmp_path):
+    root = tmp_path / "profiling"
+    writer = Writer(root)
+    bad = DemoJob(root, job_id=os.fsdecode(b"job-\xff"), ranks=1, stages=1, step_s=STEP_S, started=1.8e9)
+    bad.prepare()  # there at start-up
+    agent, _ = start_agent(profiling={"root": str(root)})
+    later = DemoJob(root, job_id=os.fsdecode(b"\xfe"), ranks=1, stages=1, step_s=STEP_S, started=1.8e9)
+    later.prepare()  # and one that appears while the agent runs
+    for job in (bad, later):
+        [timing] = job.model.step(1)
+        job.append(0, FILE, "".join(job.records(timing, 1, 1.8e9)))
+    writer.steps(3)
+    writer.flush()
+    wait_until(lambda: all(steps_counted(agent, r) == 3 for r in range(4)), 10, "the good job's steps")
+    wait_until(lambda: agent.metric("training_profiling_parse_errors_total", reason="job_dir") == 2, 10,
+               "both bad job directories counted")
+    reports = [r for r in agent.logs if r.get("msg") == "bad profiling input skipped" and r.get("reason") == "job_dir"]
+    assert sorted(r["detail"] for r in reports) == ["\\xfe", "job-\\xff"]
+    assert not any(key[0].startswith("training_") and ("job_id", JOB) not in key[1] and "job_id" in dict(key[1])
+                   for key in agent.metrics())  # no series of the bad jobs
+
+
+@pytest.mark.parametrize("content", ['{"version": 1, "ranks": {"x/0": {"1": 1e400}}, "baselines": {}}',
+                                     "[" * 100_000 + "]" * 100_000, '{"version": 1, "ranks": []}'])
+def test_state_files_of_the_wrong_shape_are_moved_aside_and_the_agent_starts(start_agent, tmp_path, content):
+    root, state = tmp_path / "profiling", tmp_path / "state"
+    state.mkdir()
+    for name in ("steps.json", "profiling-offsets.json"):
+        (state / name).write_text(content)
+    writer = Writer(root)
+    agent, _ = start_agent(profiling={"root": str(root)})
+    for what in ("step state", "profiling tailer state"):
+        line = agent.wait_for_log(f"{what} of the wrong shape; moved aside, starting without it")
+        assert Path(line["moved_to"]).read_text() == content
+    writer.steps(3)
+    writer.flush()
+    wait_until(lambda: all(steps_counted(agent, r) == 3 for r in range(4)), 10, "steps counted after the restart")
+    for name in ("steps.json", "profiling-offsets.json"):
+        assert agent.metric("npu_agent_state_files_moved_aside_total", file=name) == 1

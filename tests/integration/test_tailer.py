@@ -420,6 +420,51 @@ def test_a_line_longer_than_a_mebibyte_is_skipped_to_its_newline(tmp_path):
     run(scenario())
 
 
+def test_a_complete_line_longer_than_a_mebibyte_is_refused_even_when_one_read_holds_it(tmp_path):
+    root, state = tmp_path / "profiling", tmp_path / "state.json"
+    (root / "job" / "0").mkdir(parents=True)
+    a = rank_file(root, T0)
+    longest = b'{"Name": "' + b"z" * ((1 << 20) - 12) + b'"}\n'  # 1 MiB without its newline: the most there may be
+    too_long = [b'{"Name": "' + b"z" * size + b'"}\n' for size in ((1 << 20) - 11, 3 << 20)]
+    assert len(longest) == (1 << 20) + 1
+
+    async def scenario():
+        async with running(root, state) as (tailer, rec):  # reads of 4 MiB
+            append(a, lines(0, 3) + too_long[0] + lines(3, 2) + longest + too_long[1] + lines(5, 1))
+            await until(lambda: rec.deliveries() and rec.deliveries()[-1][2].endswith(lines(5, 1)), 5, "the lines")
+            start = len(lines(0, 3))
+            assert [(offset, data) for _, offset, data in rec.deliveries()] == [
+                (0, lines(0, 3)), (start + len(too_long[0]), lines(3, 2) + longest),
+                (start + len(too_long[0]) + len(lines(3, 2) + longest) + len(too_long[1]), lines(5, 1))]
+            assert [detail for _, reason, detail in rec.bad("line_too_long")] == [
+                f"{T0}: a line at offset {start} is longer than {1 << 20} bytes; skipped",
+                f"{T0}: a line at offset {start + len(too_long[0]) + len(lines(3, 2) + longest)} is longer than "
+                f"{1 << 20} bytes; skipped"]
+            assert len(rec.bad()) == 2
+
+    run(scenario())
+
+
+def test_job_directories_whose_name_is_not_utf8_are_reported_once_and_not_followed(tmp_path):
+    root, state = tmp_path / "profiling", tmp_path / "state.json"
+    append(Path(os.fsdecode(bytes(root) + b"/job-\xff/0/" + str(T0).encode())), lines(0, 2))
+    append(rank_file(root, T0), b"")
+
+    async def scenario():
+        async with running(root, state, replay_existing=True) as (tailer, rec):
+            append(Path(os.fsdecode(bytes(root) + b"/\xfe\xfe/0/" + str(T0).encode())), lines(10, 2))
+            append(rank_file(root, T0), lines(0, 3))
+            await until(lambda: rec.deliveries() and len(rec.bad("job_dir")) == 2, 5, "the real rank and the report")
+            assert sorted(detail for _, _, detail in rec.bad("job_dir")) == ["\\xfe\\xfe", "job-\\xff"]
+            append(Path(os.fsdecode(bytes(root) + b"/job-\xff/1/" + str(T0).encode())), lines(20, 2))
+            append(rank_file(root, T0), lines(3, 1))
+            await until(lambda: rec.files()[str(T0)] == lines(0, 4), 5, "the next lines")
+            assert {c[1] for c in rec.calls if c[0] == "lines"} == {KEY} and tailer.ranks == 1
+            assert len(rec.bad()) == 2
+
+    run(scenario())
+
+
 def test_bad_rank_directories_and_symlinks_are_not_followed(tmp_path):
     root, state, outside = tmp_path / "profiling", tmp_path / "state.json", tmp_path / "outside"
     append(outside / "ranks" / str(T0), lines(900, 5))
@@ -568,14 +613,15 @@ def test_parallel_group_is_handed_over_on_appearance_and_change(tmp_path):
     run(scenario())
 
 
-def test_a_corrupt_state_file_is_counted_and_the_tailer_starts_without_it(tmp_path):
+def test_a_corrupt_state_file_is_moved_aside_and_the_tailer_starts_without_it(tmp_path):
     root, state = tmp_path / "profiling", tmp_path / "state.json"
     append(rank_file(root, T0), lines(0, 5))
     state.write_text('{"version": 1, "ranks": {"job/0": {"file": "17000', "utf-8")
 
     async def scenario():
         async with running(root, state) as (tailer, rec):
-            assert tailer.errors == 1
+            [aside] = tmp_path.glob("state.json.corrupt-*")
+            assert aside.read_text() == '{"version": 1, "ranks": {"job/0": {"file": "17000'
             append(rank_file(root, T0), lines(5, 2))
             await until(lambda: rec.deliveries(), 5, "new lines")
             assert rec.files() == {str(T0): lines(5, 2)}  # as without a state: from the end

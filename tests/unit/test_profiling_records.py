@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 from agent.profiling.records import parse, text
 
@@ -64,3 +65,55 @@ def test_bad_lines_are_reported_by_reason_and_the_good_ones_kept():
 def test_an_overlong_bad_line_is_cut_in_the_report():
     parsed = parse(b"x" * 10_000 + b"\n")
     assert parsed.errors == [("not_json", b"x" * 200)]
+
+
+def reference(raw: bytes) -> tuple | None:
+    """What `json.loads` makes of a marker line: (flag, timestamp, name, domain), or None if it refuses it or a
+    field is not what the writer writes (a number out of 0..2**64-1, a string that is not text)."""
+    try:
+        record = json.loads(raw.decode())
+        name, domain = record["Name"].encode(), record["Domain"].encode()
+    except (ValueError, RecursionError):  # UnicodeEncodeError: a lone surrogate from a \ud800 escape
+        return None
+    numbers = (record["Flag"], record["Timestamp"], record["Id"], record["MsptiObjectId"]["Pt"]["ProcessId"])
+    if not all(type(n) is int and 0 <= n < 2**64 for n in numbers):
+        return None
+    return record["Flag"], record["Timestamp"], name, domain
+
+
+def test_the_fast_path_accepts_only_what_json_loads_accepts_with_the_same_values():
+    rng = random.Random(18)
+    fine = [b"a", b"u", b"d", b"8", b"0", b"x", b"/", b"\x7f", b"\xc3\xa9", b"\\u0041", b"\\ud83d\\ude00", b"\\/",
+            b'\\"', b"\\\\", b"\\n"]
+    odd = [b"\\", b'"', b"\t", b"\xff", b"\xed\xa0\x80", b"\\ud800", b"\\udc00", b"\\x41", b"\\uZZZZ", b"\\U0041"]
+    numbers = [b"0", b"00", b"01", b"7", b"-1", b"1e3", b"1.0", b"18446744073709551615", b"18446744073709551616",
+               b"99999999999999999999", b"0x10"]
+    good = line(name="forward")
+    for _ in range(3000):
+        raw = line(name="NAME", domain="DOMAIN", ts=111, flag=2, pid=222)[:-1]
+        for placeholder in (b"NAME", b"DOMAIN"):
+            raw = raw.replace(placeholder, b"".join(rng.choice(odd if rng.random() < 0.05 else fine)
+                                                    for _ in range(rng.randint(0, 6))))
+        for placeholder in (b"111", b"222", b":2,"):
+            if rng.random() < 0.05:
+                raw = raw.replace(placeholder, placeholder.replace(placeholder.strip(b":,"), rng.choice(numbers)))
+        want = reference(raw)
+        for parsed in (parse(raw + b"\n"), parse(good + raw + b"\n" + good)):  # alone, and among good lines
+            got = [m for m in parsed.markers if m[5] != b"forward"]
+            if want is None:
+                assert got == [] and len(parsed.errors) == 1, raw
+            else:
+                [m] = got
+                assert (int(m[0]), int(m[2]), text(m[5]), text(m[6])) == want, raw
+
+
+def test_escapes_json_refuses_or_that_give_no_text_are_refused_and_the_other_lines_kept():
+    bad = [line(name="a\\x41").replace(b"\\\\x41", b"\\x41"), line(name="\\uZZZZ").replace(b"\\\\uZZZZ", b"\\uZZZZ"),
+           line(name="\ud800", ident=3), line(name="\t"), line(ts=7).replace(b'"Timestamp":7', b'"Timestamp":07'),
+           b"[" * 200_000 + b"\n"]
+    assert bad[2].count(b"\\ud800") == 1 and bad[3].count(b"\\t") == 1
+    bad[3] = bad[3].replace(b"\\t", b"\t")
+    parsed = parse(line(ident=1) + b"".join(bad) + line(ident=2))
+    assert [m[3] for m in parsed.markers] == [b"1", b"2"]
+    assert [reason for reason, _ in parsed.errors] == ["not_json", "not_json", "bad_field", "not_json", "not_json",
+                                                       "not_json"]

@@ -3,11 +3,21 @@ ended jobs dropped, bad input counted."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+import tracemalloc
 from pathlib import Path
 
+from prometheus_client import generate_latest
+
 from agent.demo_job import DemoJob
+from agent.metrics import make_registry
+from agent.profiling.metrics import StepCollector
 from agent.profiling.records import RankKey
-from agent.profiling.step_metrics import GONE_GRACE_S, IDLE_GRACE_S, StepMetrics, pipeline_stage
+from agent.profiling.step_metrics import (GONE_GRACE_S, IDLE_GRACE_S, LOGGED_MAX, MAX_PROCESSES, StepMetrics,
+                                          pipeline_stage)
+from agent.profiling.steps import MAX_OPEN
 from agent.profiling.tail import Position
 
 KEY = RankKey("job", 0)
@@ -29,9 +39,17 @@ def job_lines(steps: int) -> list[bytes]:
     return out
 
 
-def consumer(tmp_path: Path, clock: Clock) -> tuple[StepMetrics, list]:
+def marker(flag: int, ident: int, name: str = "NULL", pid: int = 7, ts: int = 1_800_000_000_000_000_000,
+           source: int = 0) -> bytes:
+    """One record line as TaskD writes it."""
+    return (f'{{"Kind":1,"Flag":{flag},"SourceKind":{source},"Timestamp":{ts},"Id":{ident},"MsptiObjectId":{{"Pt":'
+            f'{{"ProcessId":{pid},"ThreadId":1}},"Ds":{{"DeviceId":0,"StreamId":1}}}},"Name":"{name}",'
+            f'"Domain":"default"}}\n').encode()
+
+
+def consumer(tmp_path: Path, clock: Clock, **kwargs) -> tuple[StepMetrics, list]:
     commits = []
-    steps = StepMetrics(tmp_path / "steps.json", clock=clock)
+    steps = StepMetrics(tmp_path / "steps.json", clock=clock, **kwargs)
     steps.commit = lambda key, position: commits.append((key, position))
     return steps, commits
 
@@ -72,20 +90,38 @@ def test_steps_read_again_after_a_restart_are_not_counted_twice(tmp_path):
     assert again.ranks[KEY].steps_total == 1
 
 
-def test_ranks_of_ended_jobs_leave_the_scrape_after_their_grace(tmp_path):
+async def until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def test_ranks_of_ended_jobs_leave_the_scrape_after_their_grace_with_no_record_arriving(tmp_path):
     clock = Clock()
-    steps, _ = consumer(tmp_path, clock)
+    steps, _ = consumer(tmp_path, clock, upkeep_s=0.01)
+    scrape = make_registry(StepCollector("node", steps, clock))
     other = RankKey("other", 3)
-    for key in (KEY, other):
-        steps.on_lines(key, "1800000000", 0, b"".join(job_lines(2)))
-    steps.on_batch_end()
-    steps.on_rank_gone(KEY)
-    clock.now += GONE_GRACE_S + 1
-    steps.on_batch_end()
-    assert set(steps.ranks) == {other} and KEY not in steps.detector.ranks
-    clock.now += IDLE_GRACE_S
-    steps.on_batch_end()
-    assert steps.ranks == {}
+
+    def scraped_jobs() -> set[str]:
+        text = generate_latest(scrape).decode()
+        return {job for job in ("job", "other") if f'job_id="{job}"' in text}
+
+    async def scenario():
+        await steps.start()
+        for key in (KEY, other):
+            steps.on_lines(key, "1800000000", 0, b"".join(job_lines(2)))
+        steps.on_batch_end()
+        steps.on_rank_gone(KEY)
+        clock.now += GONE_GRACE_S + 1  # and nothing more arrives: the node is idle
+        await until(lambda: scraped_jobs() == {"other"}, 10, "the removed rank leaving the scrape")
+        assert KEY not in steps.detector.ranks
+        clock.now += IDLE_GRACE_S
+        await until(lambda: not scraped_jobs(), 10, "the idle rank leaving the scrape")
+        await steps.stop()
+
+    asyncio.run(scenario())
+    assert StepMetrics(tmp_path / "steps.json")._restored == {}  # and the state
 
 
 def test_bad_input_is_counted_by_reason_and_logged_once_a_minute(tmp_path, caplog):
@@ -102,13 +138,81 @@ def test_bad_input_is_counted_by_reason_and_logged_once_a_minute(tmp_path, caplo
     assert len([r for r in caplog.records if "not_json" == getattr(r, "reason", "")]) == 2
 
 
-def test_a_corrupt_step_state_is_reported_and_ignored(tmp_path, caplog):
-    (tmp_path / "steps.json").write_text("{not json")
-    steps, _ = consumer(tmp_path, Clock())
+def test_a_corrupt_step_state_is_moved_aside_and_ignored(tmp_path, caplog):
+    clock = Clock()
+    (tmp_path / "steps.json").write_text('{"version": 1, "ranks": {"job/0": {"41000": 1.5}}}')
+    steps, _ = consumer(tmp_path, clock)
     steps.on_lines(KEY, "1800000000", 0, b"".join(job_lines(1)))
     steps.on_batch_end()
     assert steps.ranks[KEY].steps_total == 1
-    assert any("step state unreadable" in r.getMessage() for r in caplog.records)
+    assert any(r.getMessage() == "step state of the wrong shape; moved aside, starting without it"
+               for r in caplog.records)
+    assert (tmp_path / f"steps.json.corrupt-{int(clock.now)}").exists() and not (tmp_path / "steps.json").exists()
+
+
+def test_one_bad_marker_line_in_a_write_loses_none_of_the_others(tmp_path):
+    # Escapes JSON refuses, or that give no text, must not pass the fast parser and fail later.
+    for bad in ("\\x41", "\\ud800", "\\uZZZZ"):
+        steps, _ = consumer(tmp_path, Clock())
+        lines = job_lines(10)
+        bad_range = marker(2, 999_999, f"mark {bad}") + marker(4, 999_999)
+        steps.on_lines(KEY, "1800000000", 0, b"".join(lines[:5]) + bad_range + b"".join(lines[5:]))
+        steps.on_batch_end()
+        assert steps.ranks[KEY].steps_total == 10, bad
+        assert sum(steps.parse_errors.values()) == 1, (bad, steps.parse_errors)
+
+
+def test_every_dropped_marker_is_counted(tmp_path):
+    steps, _ = consumer(tmp_path, Clock())
+    steps.on_lines(KEY, "1800000000", 0, b"".join(marker(2, i, f"op {i}") for i in range(MAX_OPEN + 10)))
+    steps.on_batch_end()
+    assert steps.parse_errors == {"unpaired": 10}
+
+
+def test_what_ranks_hold_for_unfinished_ranges_is_bounded_per_node(tmp_path, caplog):
+    clock = Clock()
+    steps, _ = consumer(tmp_path, clock, max_held=10_000)
+    flood = b"".join(marker(16, i, f"op {i}") + marker(16, i, f"op {i}", source=1) for i in range(3000))
+    healthy = job_lines(3)
+    first, second = healthy[0], healthy[1]
+    cut = first.rindex(b"\n", 0, len(first) // 2) + 1  # a step in flight on a healthy rank
+    steps.on_lines(KEY, "1800000000", 0, first[:cut])
+    steps.on_batch_end()
+    for rank in range(1, 9):  # 8 ranks, each holding 9,000 entries: 72,000 without the bound
+        steps.on_lines(RankKey("flood", rank), "1800000000", 0, flood)
+        steps.on_batch_end()
+        held = [s.assembler.held for s in steps.ranks.values()]
+        assert sum(held) <= 10_000, held
+    held = sum(s.assembler.held for s in steps.ranks.values())
+    assert 9_900 < held and steps.parse_errors["node_limit"] == 8 * 9000 + steps.ranks[KEY].held - held
+    steps.on_lines(KEY, "1800000000", cut, first[cut:] + second)
+    steps.on_batch_end()
+    assert steps.ranks[KEY].steps_total == 2  # the rank holding little kept what it held
+    assert len([r for r in caplog.records if getattr(r, "reason", "") == "node_limit"]) == 1
+
+
+def test_a_rank_keeps_the_newest_step_of_a_bounded_number_of_processes(tmp_path):
+    steps, _ = consumer(tmp_path, Clock())
+    for pid in range(100, 100 + 3 * MAX_PROCESSES):  # one step of each of many processes
+        ts = 1_800_000_000_000_000_000 + pid * 10**9
+        steps.on_lines(KEY, "1800000000", 0, marker(2, pid, "step 1", pid, ts) + marker(4, pid, pid=pid, ts=ts + 10**8))
+        steps.on_batch_end()
+    series = steps.ranks[KEY]
+    assert series.steps_total == 3 * MAX_PROCESSES
+    assert list(series.last_steps) == list(range(100 + 2 * MAX_PROCESSES, 100 + 3 * MAX_PROCESSES))
+
+
+def test_logging_bad_input_keeps_a_bounded_memory_of_what_it_logged(tmp_path, caplog):
+    clock = Clock()
+    steps, _ = consumer(tmp_path, clock)
+    caplog.set_level(logging.WARNING)
+    for file in range(LOGGED_MAX + 10):  # as many files, each with a bad line, within a minute
+        steps.on_lines(KEY, f"{1800000000 + file}", 0, b"garbage\n")
+    assert steps.parse_errors == {"not_json": LOGGED_MAX + 10}
+    assert len(caplog.records) == LOGGED_MAX  # the rest only counted
+    clock.now += 61
+    steps.on_lines(KEY, "1900000000", 0, b"garbage\n")
+    assert len(caplog.records) == LOGGED_MAX + 1 and len(steps._logged) == 1
 
 
 def test_the_pipeline_stage_is_the_rank_s_index_in_its_pp_group():
@@ -132,3 +236,19 @@ def test_the_baselines_survive_a_restart_in_the_step_state(tmp_path):
     again.on_batch_end()
     state = again.detector.ranks[KEY]
     assert again.ranks[KEY].steps_total == 5 and state.baseline == baseline and state.warmup_left == 0
+
+
+def test_a_rank_gives_back_the_memory_of_a_burst_once_it_is_paired(tmp_path):
+    steps, _ = consumer(tmp_path, Clock())
+    burst = b"".join(marker(2, i, f"op {i}") for i in range(4000)) + b"".join(marker(4, i) for i in range(4000))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for rank in range(10):
+            steps.on_lines(RankKey("job", rank), "1800000000", 0, burst)
+            steps.on_batch_end()
+        per_rank = (tracemalloc.get_traced_memory()[0] - before) / 10
+    finally:
+        tracemalloc.stop()
+    assert sum(s.assembler.held for s in steps.ranks.values()) == 0
+    assert per_rank < 32 << 10, per_rank  # it kept ~296 KiB: a dict keeps the size it grew to

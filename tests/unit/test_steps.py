@@ -149,3 +149,13 @@ def test_communication_and_unknown_names_are_ignored():
                    + host_range(3, b"optimizer", 0, 10), ("f", 0))
     assembler.feed([m(2, 0, 0, 4, b"step 6", b"communication"), m(4, 0, 1, 4)], ("f", 1))
     assert assembler.finalize() == [] and not assembler.errors
+
+
+def test_shedding_drops_the_oldest_of_what_is_held():
+    assembler = RankAssembler()
+    for i in range(100):  # starts whose ends have not come: a name and a half-seen range each
+        assembler.feed([m(2, 0, i, i, f"op {i}".encode())], ("f", i))
+    assert assembler.held == 200 and assembler.oldest_needed() == ("f", 0)
+    assert assembler.shed(100) == 100
+    assert assembler.held == 100 and assembler.oldest_needed() == ("f", 50)
+    assert assembler.shed(100) == 0
