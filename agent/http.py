@@ -30,6 +30,8 @@ class HttpEndpoint:
         self._readiness = readiness
         self._liveness = liveness
         self._server: asyncio.base_events.Server | None = None
+        self._logged: set[tuple[str, str]] = set()  # (path, error type) already logged
+        self.failures = 0
         self.port = 0
 
     async def start(self) -> None:
@@ -52,7 +54,11 @@ class HttpEndpoint:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
             method, target, _ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
-            status, content_type, body = self._route(method, target.split("?", 1)[0])
+            path = target.split("?", 1)[0]
+            try:
+                status, content_type, body = self._route(method, path)
+            except Exception as exc:  # a collector's bug costs this answer, never the endpoint or a silent close
+                status, content_type, body = self._failed(path, exc)
             header = (f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
                       "Connection: close\r\n\r\n").encode("latin-1")
             writer.write(header if method == "HEAD" else header + body)
@@ -62,6 +68,14 @@ class HttpEndpoint:
             pass  # a bad or vanished client: nothing to answer
         finally:
             writer.close()
+
+    def _failed(self, path: str, exc: Exception) -> tuple[str, str, bytes]:
+        error = f"{type(exc).__name__}: {str(exc)[:300]}"
+        self.failures += 1
+        if (path, type(exc).__name__) not in self._logged:  # once per kind: a failing scrape repeats every 15 s
+            self._logged.add((path, type(exc).__name__))
+            log.error("http request failed; answered 500", exc_info=exc, extra={"path": path, "error": error})
+        return "500 Internal Server Error", "text/plain", f"{error}\n".encode()
 
     def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
         if method not in ("GET", "HEAD"):

@@ -271,8 +271,8 @@ class ProfilingTailer(TreeFollower):
     async def start(self) -> None:
         self._load_state()
         await super().start()
-        if self._tasks:
-            self._tasks.append(asyncio.create_task(self._save_periodically(), name="profiling-tailer-state"))
+        if self.tasks.running:  # the follower runs (it has an inotify instance)
+            self.tasks.start("save-state", self._save_periodically)
 
     async def stop(self) -> None:
         await super().stop()
@@ -290,7 +290,7 @@ class ProfilingTailer(TreeFollower):
     # ---- the task -------------------------------------------------------------------------------
 
     def _recover(self) -> None:
-        log.exception("profiling tailer failed; rescanning", extra={"root": self._root})
+        log.info("profiling tailer rescanning after a failure", extra={"root": self._root})
         self._pending.clear()  # cursors stay, a rescan mends the rest
 
     async def _next_batch(self) -> None:

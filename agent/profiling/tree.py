@@ -167,9 +167,6 @@ class TreeFollower:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: DaemonPool | None = None
         self.tasks = Tasks(self.name)
-        # Tasks a subclass started itself, cancelled by stop(); non-empty once the follower runs. Only
-        # until the tailer starts its state saver through `tasks` too: then this list goes.
-        self._tasks: list[asyncio.Task] = []
         self._inflight: Future | None = None
         self._unwatched: dict[str, str] = {}  # directory -> why it cannot be watched (walked again instead)
         self._walks_done: deque[tuple[str, dict[str, str]]] = deque()  # (scope, unwatched) to settle, in order
@@ -219,17 +216,11 @@ class TreeFollower:
         self._pool = DaemonPool(max_threads=1, name=self.name)
         self._loop.add_reader(self._inotify.fileno(), self._on_readable)
         self.tasks.start("follow", self._follow, reset=self._reset)
-        self._tasks.append(self.tasks._tasks["follow"])  # see _tasks
 
     async def stop(self) -> None:
         self._stopped = True
-        tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
         # A task waiting on a stuck thread ends at once: the thread is left behind.
         await self.tasks.stop(self.stop_wait_s)
-        if tasks:
-            await asyncio.wait(tasks, timeout=self.stop_wait_s)
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
