@@ -64,6 +64,14 @@ class Tasks:
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
 
+    async def cancel(self, name: str) -> None:
+        """End one task (one that belongs to something that went away, e.g. a job's link)."""
+        task = self._tasks.pop(name, None)
+        self._failures.pop(name, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
     @property
     def problem(self) -> str:
         return "; ".join(self._failures[name] for name in sorted(self._failures))

@@ -27,6 +27,7 @@ from agent.taskd.peers import Peer, PeerRefused, PeerResolver
 from agent.taskd.routes import (Code, Invalid, Position, RouteTable, checked_destination, checked_own_position,
                                 is_broadcast)
 from agent.taskd.upstream import MAX_MESSAGE, ManagerLink, NotDelivered
+from agent.tasks import Tasks
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ class TaskdProxy:
         self.refused: Counter[str] = Counter()
         self._logged: set[tuple] = set()
         self._server: grpc.aio.Server | None = None
-        self._janitor: asyncio.Task | None = None
+        self.tasks = Tasks("taskd-proxy")
         self.port = 0
 
     # --- component ---------------------------------------------------------------------------
@@ -142,13 +143,12 @@ class TaskdProxy:
                          " (is a TaskD proxy of a hostNetwork training pod already listening there?)")
         await server.start()
         self._server = server
-        self._janitor = asyncio.create_task(self._sweep(), name="taskd-proxy-janitor")
+        self.tasks.start("janitor", self._sweep)
         log.info("TaskD proxy listening", extra={"address": self._listen.rsplit(":", 1)[0] + f":{self.port}",
                                                  "manager_port": self._manager_port})
 
     async def stop(self) -> None:
-        if self._janitor is not None:
-            self._janitor.cancel()
+        await self.tasks.stop(timeout=1.0)
         for job in list(self.jobs.values()):
             for downstream in job.downstreams.values():
                 downstream.close()
@@ -418,7 +418,7 @@ class TaskdProxy:
                            **self._link_options)
         job = Job(name, manager, RouteTable(me), link, idle_since=self._clock())
         self.jobs[name] = job
-        link.start()
+        link.start(self.tasks)
         log.info("TaskD job seen on this node; connecting to its manager", extra={
             "job": name, "manager": manager, "proxy_position": str(me)})
         return job
@@ -433,10 +433,7 @@ class TaskdProxy:
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(JANITOR_S)
-            try:
-                await self._drop_idle_jobs()
-            except Exception:  # logged; the next round tries again
-                log.exception("TaskD proxy janitor round failed")
+            await self._drop_idle_jobs()
 
     async def _drop_idle_jobs(self) -> None:
         now = self._clock()

@@ -27,6 +27,7 @@ import grpc
 from agent._proto import tasknet_pb2 as pb
 from agent._proto import tasknet_pb2_grpc as pb_grpc
 from agent.taskd.routes import Code, Position
+from agent.tasks import Tasks
 
 log = logging.getLogger(__name__)
 
@@ -92,19 +93,20 @@ class ManagerLink:
         self._call = None
         self._kicked = False
         self._down_reason = ""
-        self._task: asyncio.Task | None = None
+        self._tasks: Tasks | None = None
         self._deliveries: set[asyncio.Task] = set()
         self._write_lock = asyncio.Lock()
 
     # --- used by the proxy -------------------------------------------------------------------
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"taskd-manager-{self.job}")
+    def start(self, tasks: Tasks) -> None:
+        """Run the link under its proxy's supervision (a bug restarts it, and shows on /readyz)."""
+        self._tasks = tasks
+        tasks.start(f"manager/{self.job}", self._run)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        if self._tasks is not None:
+            await self._tasks.cancel(f"manager/{self.job}")
         for task in list(self._deliveries):
             task.cancel()
         while self.held:
@@ -235,10 +237,6 @@ class ManagerLink:
                     log.warning("TaskD manager unreachable; holding messages for it", extra={
                         "job": self.job, "manager": self.address, "reason": reason, "held": len(self.held),
                         "retry_every_s": BACKOFF_MAX_S})
-                was_up = False
-            except Exception:  # a bug must not end the job's link for good: log it and reconnect
-                log.exception("TaskD manager link failed unexpectedly; reconnecting", extra={
-                    "job": self.job, "manager": self.address})
                 was_up = False
             finally:
                 self.connected = False
