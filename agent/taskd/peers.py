@@ -1,11 +1,12 @@
 """Which training job is at the other end of a TaskNet connection (workers do not say).
 
 The peer address gRPC reports is looked up in the kernel's socket table (this network namespace:
-hostNetwork training pods), the socket's inode in the processes' descriptor tables (hostPID), and
-the owning process's environment gives the job: `MINDX_TASK_ID`, and the manager's host the way
-TaskD's launcher picks it (`MASTER_ADDR`, `MS_SCHED_HOST`, `LOCAL_PROXY_ENABLE=on` → loopback).
-With Kubernetes, the process's pod (the pod UID in its cgroup path) must be a pod of that job on
-this node, so a process cannot speak for another job by setting the variable.
+hostNetwork training pods) as the near end of a connection to the proxy's port, the socket's inode in
+the processes' descriptor tables (hostPID), and the owning process's environment gives the job:
+`MINDX_TASK_ID`, and the manager's host the way TaskD's launcher picks it (`MASTER_ADDR`,
+`MS_SCHED_HOST`, `LOCAL_PROXY_ENABLE=on` → loopback). With Kubernetes, the process's pod (the pod
+UID in its cgroup path) must be a pod of that job on this node, so a process cannot speak for
+another job by setting the variable.
 """
 
 from __future__ import annotations
@@ -102,13 +103,14 @@ class PeerResolver:
         self._known.pop(address, None)
         return None
 
-    def resolve(self, peer: str) -> Peer:
-        """Blocking: reads /proc. Raises PeerRefused with the reason."""
+    def resolve(self, peer: str, server_port: int) -> Peer:
+        """The process at the other end of `peer`'s connection to `server_port` (the proxy's).
+        Blocking: reads /proc. Raises PeerRefused with the reason."""
         found = self.cached(peer)
         if found is not None:
             return found
         address = parse_peer(peer)
-        inode = self._inode(*address)
+        inode = self._inode(*address, server_port)
         link = f"socket:[{inode}]"
         pid, fd = self._owner(link, address)
         found = self._peer(pid)
@@ -125,20 +127,25 @@ class PeerResolver:
         for address in list(self._known):
             self._check(address)
 
-    def _inode(self, host: str, port: int) -> str:
+    def _inode(self, host: str, port: int, server_port: int) -> str:
+        # The local address alone does not name the socket: Linux gives one ephemeral port to
+        # connections to different destinations, so another process (of another job, on a busy node)
+        # may hold a socket from the caller's very address. Only one of them is connected to the proxy.
+        remote_port = f":{server_port:04X}"
         for name, key in _socket_keys(host, port):
             try:
                 with open(f"{self._proc}/net/{name}", encoding="ascii") as lines:
                     next(lines, None)
                     for line in lines:
                         fields = line.split()
-                        if len(fields) > 9 and fields[1] == key and fields[9] != "0":
+                        if (len(fields) > 9 and fields[1] == key and fields[2].endswith(remote_port)
+                                and fields[9] != "0"):
                             return fields[9]
             except FileNotFoundError:
                 continue  # no IPv6 on this node
             except OSError as exc:
                 raise PeerRefused(f"cannot read {self._proc}/net/{name}: {exc.strerror}") from None
-        raise PeerRefused(f"no socket {host}:{port} in this network namespace "
+        raise PeerRefused(f"no socket {host}:{port} connected to port {server_port} in this network namespace "
                           "(the training pod must use hostNetwork, like the agent)")
 
     def _owner(self, link: str, address: tuple[str, int]) -> tuple[int, str]:

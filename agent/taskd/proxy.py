@@ -394,7 +394,7 @@ class TaskdProxy:
         peer = self._resolver.cached(text)
         if peer is None:
             try:
-                peer = await asyncio.to_thread(self._resolver.resolve, text)
+                peer = await asyncio.to_thread(self._resolver.resolve, text, self.port)
             except PeerRefused as exc:
                 self._refuse(text, str(exc))
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"npu-node-agent TaskD proxy: {exc}")

@@ -17,6 +17,9 @@ from agent.kube.jobs import JobDirectory
 from agent.taskd.peers import PeerRefused, PeerResolver, parse_peer
 
 HOLD = "import socket, sys; s = socket.create_connection(('127.0.0.1', int(sys.argv[1]))); sys.stdin.read()"
+# The same from a given local port (0: any), which another socket may share (SO_REUSEADDR on both).
+HOLD_FROM = ("import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+             "s.bind(('127.0.0.1', int(sys.argv[2]))); s.connect(('127.0.0.1', int(sys.argv[1]))); sys.stdin.read()")
 
 
 @pytest.fixture
@@ -27,23 +30,29 @@ def listener():
         yield server
 
 
-def connect(listener, env: dict, cgroup: Path | None = None):
-    """A child process with `env` (in `cgroup`) connected to `listener`: (process, the child's address as gRPC
-    names it)."""
+def connect(listener, env: dict, cgroup: Path | None = None, from_port: int | None = None):
+    """A child process with `env` (in `cgroup`) connected to `listener` (from `from_port`, shared, when given):
+    (process, the listener's end, the child's address as gRPC names it)."""
     clean = {k: v for k, v in os.environ.items() if k not in ("MINDX_TASK_ID", "MASTER_ADDR", "MS_SCHED_HOST")}
     join = (lambda: (cgroup / "cgroup.procs").write_text("0")) if cgroup else None
-    child = subprocess.Popen([sys.executable, "-c", HOLD, str(listener.getsockname()[1])], env={**clean, **env},
-                             stdin=subprocess.PIPE, preexec_fn=join)
+    to = str(listener.getsockname()[1])
+    command = [HOLD, to] if from_port is None else [HOLD_FROM, to, str(from_port)]
+    child = subprocess.Popen([sys.executable, "-c", *command], env={**clean, **env}, stdin=subprocess.PIPE,
+                             preexec_fn=join)
     listener.settimeout(20)
     conn, (host, port) = listener.accept()
     return child, conn, f"ipv4:{host}:{port}"
+
+
+def port_of(listener) -> int:
+    return listener.getsockname()[1]
 
 
 def test_connection_is_traced_to_its_process_and_job(listener):
     child, conn, peer = connect(listener, {"MINDX_TASK_ID": "job-7f3a", "MASTER_ADDR": "10.0.0.8", "RANK": "12"})
     try:
         resolver = PeerResolver()
-        found = resolver.resolve(peer)
+        found = resolver.resolve(peer, port_of(listener))
         assert (found.pid, found.job, found.manager_host, found.rank) == (child.pid, "job-7f3a", "10.0.0.8", "12")
         assert resolver.cached(peer) == found  # one readlink while the socket lives
     finally:
@@ -53,13 +62,38 @@ def test_connection_is_traced_to_its_process_and_job(listener):
     assert resolver.cached(peer) is None  # the process and its socket are gone: resolved afresh next time
 
 
+def test_a_caller_is_told_from_another_jobs_process_with_the_same_local_address(listener):
+    """Linux gives one ephemeral port to connections to different destinations, so on a busy node another
+    process may hold a socket from the caller's very address: only the one connected to the proxy is the caller,
+    whichever of the two the socket table lists first."""
+    children = []
+    with socket.socket() as elsewhere:
+        elsewhere.bind(("127.0.0.1", 0))
+        elsewhere.listen()
+        try:
+            child_a, conn_a, peer = connect(listener, {"MINDX_TASK_ID": "job-a", "MASTER_ADDR": "10.0.0.2"}, from_port=0)
+            children.append((child_a, conn_a))
+            child_b, conn_b, peer_b = connect(elsewhere, {"MINDX_TASK_ID": "job-b", "MASTER_ADDR": "10.0.0.3"},
+                                              from_port=parse_peer(peer)[1])
+            children.append((child_b, conn_b))
+            assert peer_b == peer  # both sockets have the same local address
+            for server, child, job in ((listener, child_a, "job-a"), (elsewhere, child_b, "job-b")):
+                found = PeerResolver().resolve(peer, port_of(server))
+                assert (found.pid, found.job) == (child.pid, job), server
+        finally:
+            for child, conn in children:
+                child.stdin.close()
+                child.wait(10)
+                conn.close()
+
+
 def test_manager_host_follows_taskds_launcher_rules(listener):
     cases = [({"MS_SCHED_HOST": "10.1.1.1"}, "10.1.1.1"), ({}, "127.0.0.1"),
              ({"MASTER_ADDR": "10.0.0.8", "LOCAL_PROXY_ENABLE": "on"}, "127.0.0.1")]
     for env, host in cases:
         child, conn, peer = connect(listener, {"MINDX_TASK_ID": "job", **env})
         try:
-            assert PeerResolver().resolve(peer).manager_host == host, env
+            assert PeerResolver().resolve(peer, port_of(listener)).manager_host == host, env
         finally:
             child.stdin.close()
             child.wait(10)
@@ -72,7 +106,7 @@ def test_processes_outside_training_jobs_are_refused_with_the_reason(listener, e
     child, conn, peer = connect(listener, env)
     try:
         with pytest.raises(PeerRefused, match=reason) as refused:
-            PeerResolver().resolve(peer)
+            PeerResolver().resolve(peer, port_of(listener))
         assert f"pid {child.pid}" in str(refused.value)
     finally:
         child.stdin.close()
@@ -85,7 +119,7 @@ def test_addresses_that_are_not_local_tcp_connections():
         parse_peer("unix:/run/x.sock")
     assert parse_peer("ipv6:[::1]:9602") == ("::1", 9602)
     with pytest.raises(PeerRefused, match="hostNetwork"):
-        PeerResolver().resolve("ipv4:127.0.0.1:1")  # nothing connected from there
+        PeerResolver().resolve("ipv4:127.0.0.1:1", 9602)  # nothing connected from there
 
 
 class PodList:
@@ -130,10 +164,10 @@ def test_with_kubernetes_the_process_pod_must_belong_to_the_job_it_claims(listen
         child, conn, peer = connect(listener, {"MINDX_TASK_ID": job}, pod_cgroup(uid) if uid else None)
         try:
             if refusal is None:
-                assert resolver.resolve(peer).job == job
+                assert resolver.resolve(peer, port_of(listener)).job == job
             else:
                 with pytest.raises(PeerRefused, match=refusal):
-                    resolver.resolve(peer)
+                    resolver.resolve(peer, port_of(listener))
         finally:
             child.stdin.close()
             child.wait(10)

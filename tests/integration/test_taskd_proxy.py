@@ -128,6 +128,10 @@ def test_two_jobs_with_the_same_positions_never_mix(node):
         assert all(u.endswith(job[-1] + str(rank)) or u.endswith("-" + job[-1]) or u == f"local-{job[-1]}"
                    for u in got), (job, rank, got)
         assert got.count("bcast-b") == (1 if job == "job-b" else 0)
+    # No call was taken for another process's: no worker was refused, or lost its stream to a join of the
+    # same position counted in the wrong job.
+    assert [peer.name for peer in n.workers.values() if peer.events("stream_lost")] == []
+    assert n.agent.metric("npu_agent_taskd_proxy_connections_refused_total") == 0
     assert n.agent.metric("npu_agent_taskd_proxy_connected", job="job-a", role="Worker") == 4
     assert n.agent.metric("npu_agent_taskd_proxy_messages_total", direction="up", result="delivered") == 8
 
@@ -217,7 +221,8 @@ def test_bad_input_gets_taskd_codes_and_strangers_are_refused(node):
     assert peer.transfer(MGR, sync=True)["code"] == 0
 
 
-def test_with_kubernetes_a_worker_speaks_only_for_the_job_of_its_pod(node, kube, pod_cgroup):
+def test_with_kubernetes_a_worker_speaks_only_for_the_job_of_its_pod(pod_cgroup, kube, node):
+    # (In this order, the peers are stopped before their cgroups are removed.)
     standin, kubeconfig = kube
     uids = {}  # the API server gives each pod its UID
     for job in ("job-a", "job-b"):
@@ -227,6 +232,7 @@ def test_with_kubernetes_a_worker_speaks_only_for_the_job_of_its_pod(node, kube,
                 {"name": "train", "image": "t:1", "env": [{"name": "MINDX_TASK_ID", "value": job}]}]}})
         uids[job] = created["metadata"]["uid"]
     n = node(kubeconfig=kubeconfig)
+    wait_until(lambda: n.agent.http("/readyz")[0] == 200, 20, "the agent ready: the node's pods listed")
     mgr = n.start_manager("job-a")
     peer = worker(n.proxy, 0, 0, env=n.env("job-a", 0), cgroup=pod_cgroup(uids["job-a"]))
     n.workers["job-a", 0] = peer
@@ -234,9 +240,18 @@ def test_with_kubernetes_a_worker_speaks_only_for_the_job_of_its_pod(node, kube,
     # A process of job-b's pod that claims to be job-a's is refused, and says why.
     impostor = worker(n.proxy, 0, 1, env=n.env("job-a", 1), cgroup=pod_cgroup(uids["job-b"]), wait_ready=False)
     n.workers["job-b", 1] = impostor
-    refused = n.agent.wait_for_log("TaskD proxy refused a connection")
+    refused = refusals_of(n.agent, impostor, wait=10)[0]
     assert "belongs to job job-b (team/job-b)" in refused["reason"], refused
+    assert refusals_of(n.agent, peer) == []
     assert n.agent.metric("npu_agent_taskd_proxy_connected", job="job-a", role="Worker") == 1
+
+
+def refusals_of(agent, peer, wait: float = 0) -> list[dict]:
+    """The agent's "refused a connection" lines about `peer`'s process (waiting up to `wait` s for one)."""
+    def mine():
+        return [r for r in list(agent.logs) if r.get("msg") == "TaskD proxy refused a connection"
+                and r["reason"].startswith(f"pid {peer.process.pid} ")]
+    return wait_until(mine, wait, f"a refusal of {peer.name}") if wait else mine()
 
 
 def reached(mgr, peer):

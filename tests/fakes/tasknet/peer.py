@@ -31,7 +31,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     wrk.add_argument("--process-rank", default=None, help="global rank; required for a Worker")
     wrk.add_argument("--role", choices=("Worker", "Agent"), default="Worker")
     wrk.add_argument("--retry-interval", type=float, default=0.2, help="seconds between join attempts (TaskD: 1)")
-    wrk.add_argument("--stream-grace", type=float, default=0.3,
+    # Long: the node proxy and the manager stand-in confirm a stream with headers at once, and "ready" must
+    # not come before a slow server (a busy machine) has taken the stream.
+    wrk.add_argument("--stream-grace", type=float, default=10.0,
                      help="seconds a stream must stay open to count as accepted when the server sends no headers")
     args = parser.parse_args(argv)
     if args.kind == "worker" and args.role == "Worker" and args.process_rank is None:
