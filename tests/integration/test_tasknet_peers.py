@@ -50,7 +50,7 @@ def peers():
 
 @pytest.fixture
 def mgr(peers):
-    return peers(driver.manager(f"127.0.0.1:{driver.free_port()}"))
+    return peers(driver.manager("127.0.0.1:0"))  # the port it bound comes with its ready event
 
 
 def join(peers, mgr, server_rank, process_rank="-1", **options) -> driver.PeerProcess:
@@ -339,6 +339,14 @@ def test_manager_killed_and_restarted_worker_rejoins(peers):
     down = second.transfer(w.pos, "welcome back", sync=True)
     assert down["code"] == 0 and down["ack_src"] == w.pos
     assert received(w, down["uuid"])["body"] == "welcome back"
+
+
+def test_a_free_port_stays_free_until_a_manager_binds_it():
+    """Outside the ephemeral range: no process's outgoing connection can take it meanwhile (on a busy machine
+    one did, between a bind to port 0 and the manager's bind)."""
+    ephemeral = driver.ephemeral_ports()
+    ports = [driver.free_port(("127.0.0.2", "127.0.0.3")) for _ in range(20)]
+    assert [p for p in ports if p in ephemeral] == []
 
 
 def test_two_managers_share_a_port_on_different_hosts(peers):

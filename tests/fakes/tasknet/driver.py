@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,26 +29,37 @@ def pos(role: str, server_rank: str | int, process_rank: str | int = "-1") -> di
 MGR = pos("Mgr", "0", "-1")
 
 
-def free_port(hosts: Iterable[str] = ("127.0.0.1",), attempts: int = 50) -> int:
-    """A TCP port that is bindable right now on every one of `hosts` (e.g. 127.0.0.2 and 127.0.0.3)."""
+def ephemeral_ports() -> range:
+    """The ports the kernel hands out for outgoing connections (and for binds to port 0)."""
+    try:
+        low, high = (int(n) for n in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
+def free_port(hosts: Iterable[str] = ("127.0.0.1",), attempts: int = 200) -> int:
+    """A TCP port that is bindable right now on every one of `hosts` (e.g. 127.0.0.2 and 127.0.0.3), and
+    stays free until bound: it is outside the ephemeral range, so no process's outgoing connection takes it
+    meanwhile (on a busy machine one would, if the port came from a bind to port 0)."""
     hosts = list(hosts)
-    for _ in range(attempts):
-        with socket.socket() as first:
-            first.bind((hosts[0], 0))
-            port = first.getsockname()[1]
-            others = []
-            try:
-                for host in hosts[1:]:
-                    s = socket.socket()
-                    others.append(s)
-                    s.bind((host, port))
-                return port
-            except OSError:
-                continue
-            finally:
-                for s in others:
-                    s.close()
-    raise RuntimeError(f"no port free on all of {hosts}")
+    ephemeral = ephemeral_ports()
+    candidates = [p for p in range(10_000, 65_536) if p not in ephemeral]
+    for port in random.sample(candidates, min(attempts, len(candidates))):
+        taken = []
+        try:
+            for host in hosts:
+                s = socket.socket()
+                taken.append(s)
+                s.bind((host, port))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in taken:
+                s.close()
+    raise RuntimeError(f"no port outside the ephemeral range {ephemeral.start}-{ephemeral.stop - 1} free on all of "
+                       f"{hosts}")
 
 
 class PeerProcess:
