@@ -144,9 +144,13 @@ class ListWatch(Generic[T]):
             self._publish()
 
     def _publish(self) -> None:
-        self.synced = True
         snapshot = dict(self._objects)
         try:
-            self._loop.call_soon_threadsafe(self._on_change, snapshot)
+            self._loop.call_soon_threadsafe(self._deliver, snapshot)
         except RuntimeError:  # the loop closed while stopping
             self._stopping.set()
+
+    def _deliver(self, snapshot: dict[Key, T]) -> None:
+        # Synced on the loop, with the objects: a reader on the loop never sees "synced" without them.
+        self.synced = True
+        self._on_change(snapshot)

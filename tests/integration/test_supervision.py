@@ -20,7 +20,7 @@ AGENT_DIR = str(Path(agent.__file__).parent)
 PER_REQUEST = {
     "HttpEndpoint._serve",  # one HTTP connection
     "TaskdProxy._read_acks",  # one worker stream's acknowledgements
-    "Upstream._deliver",  # one message on its way to a manager
+    "ManagerLink._deliver",  # one message on its way to a manager
     "DeviceMonitor._poll", "DeviceMonitor._read",  # one read of one device (awaited, or spawned with its errors logged)
 }
 
