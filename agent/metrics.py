@@ -21,6 +21,14 @@ from agent.kube.podresources import PodsOf, no_pods
 POD_LABELS = ("namespace", "pod_name", "container_name")  # npu-exporter's names; empty when the NPU is free
 
 
+def _counts(name: str, documentation: str, node: str, label: str, counts: dict[str, int]) -> CounterMetricFamily:
+    """A counter family with one series per key of `counts`."""
+    family = CounterMetricFamily(name, documentation, labels=["node", label])
+    for key, count in sorted(counts.items()):
+        family.add_metric([node, key], count)
+    return family
+
+
 class AgentCollector:
     def __init__(self, node: str, monitor: DeviceMonitor, faults: FaultService, hub: FaultHub, fault_log: FaultLog,
                  sinks: list, components: Callable[[], list[tuple[str, bool]]],
@@ -88,12 +96,9 @@ class AgentCollector:
                                      "Public faults ClusterD holds for this node, as far as it acknowledged",
                                      labels=["node"])
             held.add_metric([node], clusterd[0].held)
-            reconciles = CounterMetricFamily(
-                "npu_agent_clusterd_reconciles_total",
-                "Times the agent re-sent what ClusterD should hold (and recent recovers), by reason",
-                labels=["node", "reason"])
-            for reason, count in sorted(clusterd[0].reconciles.items()):
-                reconciles.add_metric([node, reason], count)
+            reconciles = _counts("npu_agent_clusterd_reconciles_total",
+                                 "Times the agent re-sent what ClusterD should hold (and recent recovers), by reason",
+                                 node, "reason", clusterd[0].reconciles)
             unsent = CounterMetricFamily(
                 "npu_agent_clusterd_unsent_occurrences_total",
                 "Public fault occurrences that began and ended while waiting to be sent, so never sent",
@@ -102,24 +107,18 @@ class AgentCollector:
             yield held
             yield reconciles
             yield unsent
-        restarts = CounterMetricFamily("npu_agent_task_restarts_total",
-                                       "Background tasks restarted after an unexpected error, by component/task",
-                                       labels=["node", "task"])
-        for task, count in sorted(tasks.restarts.items()):
-            restarts.add_metric([node, task], count)
-        yield restarts
+        yield _counts("npu_agent_task_restarts_total",
+                      "Background tasks restarted after an unexpected error, by component/task",
+                      node, "task", tasks.restarts)
         writes = CounterMetricFamily("npu_agent_state_write_failures_total",
                                      "Failed writes of state the agent keeps on disk (retried with backoff)",
                                      labels=["node", "file"])
         for write in [*self._faults.writes, *(sink.writes for sink in self._sinks if hasattr(sink, "writes"))]:
             writes.add_metric([node, write.what], write.failures)
         yield writes
-        aside = CounterMetricFamily("npu_agent_state_files_moved_aside_total",
-                                    "State files of the wrong shape moved aside at start (that part started fresh)",
-                                    labels=["node", "file"])
-        for name, count in sorted(fsutil.moved_aside.items()):
-            aside.add_metric([node, name], count)
-        yield aside
+        yield _counts("npu_agent_state_files_moved_aside_total",
+                      "State files of the wrong shape moved aside at start (that part started fresh)",
+                      node, "file", fsutil.moved_aside)
         clamped = CounterMetricFamily("npu_agent_driver_fault_times_clamped_total",
                                       "Driver fault times older than the agent's start, replaced by when it saw the fault",
                                       labels=["node"])

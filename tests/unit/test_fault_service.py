@@ -13,16 +13,9 @@ from agent.faults.hub import FaultHub
 from agent.faults.levels import Level
 from agent.faults.log import FaultLog
 from agent.faults.service import FaultService
+from tests.unit.aio import until
 
 DEVICE = DeviceInfo(0, 0, 0, 0, "910B3", "910B3-Ascend-V1")
-
-
-async def until(predicate, what: str, timeout: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 def test_a_reload_that_fails_is_restarted_and_the_next_file_loads(tmp_path):

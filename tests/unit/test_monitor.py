@@ -9,6 +9,7 @@ from agent import tasks
 from agent.devices.base import DeviceInfo, Reading
 from agent.devices.monitor import DeviceMonitor
 from agent.faults.engine import Health
+from tests.unit.aio import until
 
 
 class Driver:
@@ -55,14 +56,6 @@ class Observer:
 
     def on_reading(self, device, reading, started_ms) -> None:
         self._call("reading")
-
-
-async def until(predicate, what: str, timeout: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 def run_monitor(observer: Observer, driver: Driver, check) -> None:

@@ -7,13 +7,7 @@ import logging
 
 from agent import tasks
 from agent.tasks import Tasks
-
-
-async def poll(predicate, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
+from tests.unit.aio import until
 
 
 def test_a_failing_task_is_restarted_after_reset_and_shows_until_it_has_run_a_while(caplog):
@@ -30,12 +24,12 @@ def test_a_failing_task_is_restarted_after_reset_and_shows_until_it_has_run_a_wh
 
         group = Tasks("comp", backoff_first_s=0.05, healthy_after_s=0.3)
         group.start("loop", body, reset=lambda: resets.append(1))
-        await poll(lambda: len(runs) == 3)
+        await until(lambda: len(runs) == 3)
         assert group.problem.startswith("task loop failed (OSError: boom 2)")
         assert group.running == ["loop"]
-        await poll(lambda: not group.problem)  # the third run went on long enough
+        await until(lambda: not group.problem)  # the third run went on long enough
         done.set()
-        await poll(lambda: not group.running)  # a body that returns is finished, not restarted
+        await until(lambda: not group.running)  # a body that returns is finished, not restarted
         assert len(runs) == 3
 
     caplog.set_level(logging.ERROR, "agent.tasks")
@@ -63,7 +57,7 @@ def test_stop_cancels_tasks_and_a_failing_reset_does_not_end_the_task():
 
         group = Tasks("comp2", backoff_first_s=0.01, healthy_after_s=60)
         group.start("loop", body, reset=reset)
-        await poll(lambda: len(runs) == 2)
+        await until(lambda: len(runs) == 2)
         assert "ValueError: first" in group.problem
         await group.stop(timeout=5)
         assert group.running == []
@@ -82,7 +76,7 @@ def test_the_backoff_doubles_between_failures():
 
         group = Tasks("comp3", backoff_first_s=0.1, healthy_after_s=60)
         group.start("loop", body)
-        await poll(lambda: len(times) == 4)
+        await until(lambda: len(times) == 4)
         await group.stop()
         gaps = [b - a for a, b in zip(times, times[1:])]
         assert gaps[0] >= 0.08 and gaps[1] >= 0.16 and gaps[2] >= 0.32  # 1x, 2x, 4x (jitter: 80-100 %)
