@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import importlib
 import logging
 import math
 import platform
-import signal
 import sys
-import time
-from pathlib import Path
 
 from agent import __version__
-from agent.config import Config, load_config
-from agent.errors import ConfigError
+from agent.config import load_config
+from agent.common.errors import ConfigError
 
 log = logging.getLogger("agent")
 
-EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_USAGE = 0, 2  # 1: a runtime failure (agent.app.serve)
 MAX_SECONDS = 30 * 86400  # longer waits are mistakes (and overflow the C timeouts beneath)
 
 
@@ -111,63 +107,22 @@ def cmd_check_config(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from agent.logs import setup_logging
+    from agent.common.logs import setup_logging
+
+    from agent.app import serve
 
     config = load_config(args.config)
     setup_logging(config.log.level, config.log.format)
     return asyncio.run(serve(config))
 
 
-async def serve(config: Config, stop: asyncio.Event | None = None, backend=None, on_started=None) -> int:
-    """Run the agent until `stop` is set or SIGTERM/SIGINT arrives; returns the exit code."""
-    from agent.supervisor import build_agent
-
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            pass
-    try:
-        Path(config.state_dir).mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        log.error("state_dir is not usable; escalation history will not survive a restart",
-                  extra={"state_dir": config.state_dir, "error": str(exc)})
-    try:
-        agent = build_agent(config, backend=backend)
-    except OSError as exc:
-        log.error("cannot open the fault log in state_dir", extra={"state_dir": config.state_dir, "error": str(exc)})
-        return EXIT_RUNTIME
-    log.info("npu-node-agent starting", extra={"version": __version__, "node": config.node_name,
-                                                "backend": config.devices.backend})
-    try:
-        await agent.supervisor.start()
-    except OSError as exc:
-        log.error("cannot start", extra={"error": str(exc)})
-        await agent.supervisor.stop()
-        return EXIT_RUNTIME
-    # Everything built so far lives as long as the process: keep it out of the collector's full
-    # passes, which otherwise walk every gRPC and protobuf object (a ~65 ms pause on a small node).
-    gc.freeze()
-    if on_started is not None:
-        on_started(agent)
-    await stop.wait()
-    started = time.monotonic()
-    log.info("stopping")
-    await agent.supervisor.stop()
-    agent.fault_log.close()
-    log.info("stopped", extra={"seconds": round(time.monotonic() - started, 3)})
-    return EXIT_OK
-
-
 def cmd_demo(args) -> int:
-    from agent.demo import run_demo
+    from agent.demo.run import run_demo
 
     return run_demo(args.duration, args.workdir, args.slow_after)
 
 
 def cmd_faults(args) -> int:
-    from agent.faults.client import print_faults
+    from agent.sinks.stream.client import print_faults
 
     return print_faults(args.target, follow=args.follow, as_json=args.json, timeout=args.timeout)

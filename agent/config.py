@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from agent.errors import ConfigError, quote
-from agent.faults.levels import Level
+from agent.common.errors import ConfigError, quote
+from agent.model import Level
 
 
 @dataclass
@@ -314,7 +314,7 @@ def _check_scalar(hint, value, path: str, problems: list[str]):
     return None
 
 
-# A node name as ClusterD (agent/faults/pubfault.py) and Kubernetes accept it: a DNS-1123 subdomain.
+# A node name as ClusterD (agent/sinks/clusterd/pubfault.py) and Kubernetes accept it: a DNS-1123 subdomain.
 NODE_NAME = re.compile(r"^[a-z0-9]([a-z0-9\-.]{0,251}[a-z0-9])?$")
 _DNS_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9\-.]{0,251}[A-Za-z0-9])?")
 _HOST_PORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[^:\s]+):(?P<port>\d{1,5})$")

@@ -8,10 +8,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from agent.faults import stream
-from agent.grpcutil import EXCLUSIVE, bind
+from agent.sinks.stream import service as stream
+from agent.common.grpcutil import EXCLUSIVE, bind
 from agent.faults.hub import FaultHub
-from agent.kube.podresources import PodsOf, no_pods
+from agent.model import PodsOf, no_pods
 
 log = logging.getLogger(__name__)
 

@@ -11,12 +11,13 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from agent import __version__, fsutil, tasks
+from agent import __version__, lifecycle as tasks
+from agent.common import fsutil
 from agent.devices.monitor import DeviceMonitor
 from agent.faults.hub import FaultHub
 from agent.faults.log import FaultLog
 from agent.faults.service import FaultService
-from agent.kube.podresources import PodsOf, no_pods
+from agent.model import PodsOf, no_pods
 
 POD_LABELS = ("namespace", "pod_name", "container_name")  # npu-exporter's names; empty when the NPU is free
 

@@ -74,7 +74,7 @@ import psutil
 from agent._proto import npu_agent_faults_pb2 as pb
 from agent._proto import npu_agent_faults_pb2_grpc as pb_grpc
 from agent.config import ClusterdConfig
-from agent.faults.clusterd import FOLLOW_UP_S
+from agent.sinks.clusterd.sink import FOLLOW_UP_S
 from bench.fault_latency import fmt, metric_or_none, percentile, read_trace, summary
 from tests.fakes.clusterd import ClusterdStandIn
 from tests.fakes.dcmi import FakeDcmiControl, build_fake_dcmi

@@ -2,7 +2,7 @@
 
 Run from the repository root:  .venv/bin/python -m bench.disk_guard        # ~2 min on 2 cores
 
-The real `agent.profiling.disk.DiskGuard` runs on trees of real files under /tmp (removed at the
+The real `agent.diskguard.guard.DiskGuard` runs on trees of real files under /tmp (removed at the
 end); the baseline, measured in the same run on the same trees, is TaskD's way of keeping the
 limit: every worker process `filepath.Walk`s the whole tree every 60 s (here: `os.walk` plus an
 `lstat` of every entry, files and directories, summing regular files -- what Go's filepath.Walk
@@ -58,7 +58,7 @@ from pathlib import Path
 
 import psutil
 
-from agent.profiling.disk import DiskGuard
+from agent.diskguard.guard import DiskGuard
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -121,7 +121,7 @@ class _Lines(logging.Handler):
 
 async def child_main(root: str, limit: int) -> None:
     """`--child`: run a DiskGuard; answer `status` lines on stdin; stop on `quit` or EOF."""
-    logger = logging.getLogger("agent.profiling.disk")
+    logger = logging.getLogger("agent.diskguard.guard")
     logger.addHandler(_Lines())
     logger.setLevel(logging.INFO)
     guard = DiskGuard(Path(root), limit)

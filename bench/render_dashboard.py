@@ -290,11 +290,11 @@ def synthetic_samples(seconds: float, interval: float, seed: int = 1) -> Samples
 
     from prometheus_client import generate_latest
 
-    from agent.demo_job import DemoJob
+    from agent.demo.job import DemoJob
     from agent.metrics import make_registry
-    from agent.profiling.metrics import StepCollector
-    from agent.profiling.records import RankKey
-    from agent.profiling.step_metrics import StepMetrics
+    from agent.steps.metrics import StepCollector
+    from agent.steps.records import RankKey
+    from agent.steps.consumer import StepMetrics
 
     start = time.time() - seconds
     now = [start]

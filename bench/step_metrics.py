@@ -59,9 +59,9 @@ from pathlib import Path
 
 import psutil
 
-from agent.demo_job import DemoJob
-from agent.profiling.records import parse
-from agent.profiling.steps import RankAssembler
+from agent.demo.job import DemoJob
+from agent.steps.records import parse
+from agent.steps.pairing import RankAssembler
 from tests.integration.harness import AgentProcess, wait_until
 
 KIB = 1024

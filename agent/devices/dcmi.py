@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Callable
 
 from agent.devices import dcmi_abi as abi
-from agent.devices.base import BackendError, DeviceInfo, DriverEvent, Reading
-from agent.faults.codes import CARD_DROP_CODE
-from agent.faults.engine import Health
+from agent.devices.base import BackendError
+from agent.model import CARD_DROP_CODE, DeviceInfo, DriverEvent, Health, Reading
 
 log = logging.getLogger(__name__)
 

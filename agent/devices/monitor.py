@@ -13,13 +13,12 @@ import logging
 import time
 from typing import Callable, Protocol
 
-from agent.devices.base import BackendError, DeviceBackend, DeviceInfo, DriverEvent, Reading
-from agent.devices.pool import DaemonPool
-from agent.errors import Once
-from agent.ratelimit import TokenBucket
-from agent.faults.codes import RESET_FINISH_CODE
-from agent.faults.engine import Assertion, Health
-from agent.tasks import Tasks, spawn
+from agent.devices.base import BackendError, DeviceBackend
+from agent.model import Assertion, DeviceInfo, DriverEvent, Health, RESET_FINISH_CODE, Reading
+from agent.common.pool import DaemonPool
+from agent.common.errors import Once
+from agent.common.ratelimit import TokenBucket
+from agent.lifecycle import Tasks, spawn
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +31,8 @@ class FaultObserver(Protocol):
     def on_inventory(self, devices: list[DeviceInfo]) -> None: ...
     def on_event(self, device: DeviceInfo, event: DriverEvent) -> None: ...
     def on_reading(self, device: DeviceInfo, reading: Reading, started_ms: int) -> None: ...
+    def on_polled(self) -> None:
+        """Every device was read (or its read failed) once since the start."""
 
 
 class CallTimeout(Exception):
@@ -126,7 +127,9 @@ class DeviceMonitor:
             await self._subscribe()
         while True:
             await self._poll_all()
-            self.polled_once = True
+            if not self.polled_once:
+                self.polled_once = True
+                self._observer.on_polled()
             await asyncio.sleep(self._poll_interval_s)
 
     def _reset(self) -> None:

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass
 
 from agent.config import load_yaml, read_config_file
-from agent.errors import ConfigError, clip, quote
-from agent.faults.codes import parse_code
+from agent.common.errors import ConfigError, clip, quote
+from agent.faults.rules.codes import parse_code
 
 ACTIONS = ("occur", "recover", "once", "drop", "restore")
 MAX_SECONDS = 365 * 86400  # a step further off than a year is a mistake (1e308 s would overflow a thread's wait)

@@ -10,10 +10,8 @@ import threading
 import time
 from typing import Callable
 
-from agent.devices.base import DeviceInfo, DriverEvent, Reading
+from agent.model import CARD_DROP_CODE, DeviceInfo, DriverEvent, Health, Reading
 from agent.devices.scenario import Scenario, Step
-from agent.faults.codes import CARD_DROP_CODE
-from agent.faults.engine import Health
 
 
 class SimulatedBackend:

@@ -11,21 +11,8 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections import Counter, deque
-from dataclasses import dataclass
 
-from agent.faults.engine import DeviceState
-
-
-@dataclass(frozen=True)
-class Change:
-    revision: int
-    state: DeviceState
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    revision: int
-    devices: tuple[Change, ...]  # every device with the revision of its last change
+from agent.model import Change, DeviceState, Snapshot
 
 
 class Subscription:
@@ -85,6 +72,8 @@ class FaultHub:
         self._queue_limit = queue_limit
         self._subscribers: set[Subscription] = set()
         self.counters: Counter[str] = Counter()  # delivered / resynced, for metrics
+        self.chip_name = ""  # of the node's NPUs, once the driver listed them
+        self.current = False  # every device was polled: the states are the devices' now, not the log's
 
     def publish(self, changes: list[Change]) -> None:
         for change in changes:

@@ -25,10 +25,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.faults.engine import ActiveCode, DeviceState, Health
-from agent.faults.hub import Change
-from agent.faults.levels import Level
-from agent.fsutil import atomic_write, keep_aside, read_state, strict_json
+from agent.model import ActiveCode, Change, DeviceState, Health, Level
+from agent.common.fsutil import atomic_write, keep_aside, read_state, strict_json
 
 log = logging.getLogger(__name__)
 

@@ -16,21 +16,20 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from agent.config import FaultsConfig
-from agent.devices.base import DeviceInfo, DriverEvent, Reading
-from agent.devices.pool import DaemonPool
-from agent.errors import MAX_PROBLEMS, ConfigError, Once
-from agent.faults.codes import FaultCodeTable, load_fault_code_table
-from agent.faults.customization import Customization, load_customization
-from agent.faults.engine import Assertion, DeviceState, EngineSettings, FaultEngine
-from agent.faults.hub import Change, FaultHub
+from agent.model import (MIN_TIME_MS, Assertion, Change, DeviceInfo, DeviceState, DriverEvent, Level,
+                         Reading)
+from agent.common.pool import DaemonPool
+from agent.common.errors import MAX_PROBLEMS, ConfigError, Once
+from agent.faults.rules.codes import FaultCodeTable, load_fault_code_table
+from agent.faults.rules.customization import Customization, load_customization
+from agent.faults.rules.engine import EngineSettings, FaultEngine
+from agent.faults.hub import FaultHub
 from agent.faults.log import FaultLog
-from agent.faults.levels import Level
-from agent.fsutil import WriteRetry, atomic_write, file_identity, read_state
-from agent.faults.pubfault import MIN_TIME_MS
-from agent.tasks import Tasks
+from agent.common.fsutil import WriteRetry, atomic_write, file_identity, read_state
+from agent.lifecycle import Tasks
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +57,13 @@ class FaultService:
     name = "faults"
 
     def __init__(self, config: FaultsConfig, state_dir: str, fault_log: FaultLog, hub: FaultHub, *,
-                 once_hold_s: float, clock: Callable[[], float] = time.time, reload_interval_s: float = 2.0):
+                 once_hold_s: float, listeners: Sequence[Callable[[list[Change]], None]] = (),
+                 clock: Callable[[], float] = time.time, reload_interval_s: float = 2.0):
         self._config = config
         self._history_path = Path(state_dir) / HISTORY_FILE
         self._log = fault_log
         self._hub = hub
-        self.listeners: list[Callable[[list[Change]], None]] = []  # sinks woken after each durable append
+        self._listeners = tuple(listeners)  # sinks woken after each durable append
         self._clock = clock
         self._reload_interval_s = reload_interval_s
         self._table_error = ""
@@ -123,6 +123,7 @@ class FaultService:
         last_known = self._log.latest()
         for device in devices:
             changes += self.engine.add_device(device.phy_id, device.logic_id, now)
+        self._hub.chip_name = devices[0].chip_name if devices else ""
         if not self._history_loaded:
             self._history_loaded = True
             # Escalations first: the devices are not observed yet, so nothing is rendered until the
@@ -142,6 +143,9 @@ class FaultService:
                     changes += self.engine.seed(device.phy_id, raw, last.state.health, now,
                                                 last.state.level, last.state.level_since_ms)
         self._publish(changes)
+
+    def on_polled(self) -> None:
+        self._hub.current = True
 
     def on_event(self, device: DeviceInfo, event: DriverEvent) -> None:
         """An event whose assertion is occur, recover or once (the monitor skips any other)."""
@@ -211,7 +215,7 @@ class FaultService:
             self._retry = None
         self._unwritten.clear()
         self._hub.publish(appended)
-        for listener in self.listeners:
+        for listener in self._listeners:
             listener(appended)
 
     def _arm_timer(self) -> None:

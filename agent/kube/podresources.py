@@ -13,35 +13,19 @@ import logging
 import os
 import re
 from collections import Counter
-from dataclasses import dataclass
-from typing import Callable
 
 import grpc
 
 from agent._proto import podresources_pb2 as pb
 from agent._proto import podresources_pb2_grpc as pb_grpc
-from agent.tasks import Tasks
+from agent.lifecycle import Tasks
+from agent.model import PodRef
 
 log = logging.getLogger(__name__)
 
 RESOURCE_PREFIX = "huawei.com/"  # Ascend910, Ascend310P, npu, and their virtual variants
 # Ascend910-3, Ascend310P-1, npu-0, a bare 3, or a virtual NPU whose name ends in its physical id.
 DEVICE_ID = re.compile(r"(?:(?:Ascend[0-9A-Za-z]*|npu)-(?:[0-9A-Za-z]+-)*)?([0-9]{1,5})")
-
-
-@dataclass(frozen=True, slots=True)
-class PodRef:
-    namespace: str
-    pod: str
-    container: str
-
-
-PodsOf = Callable[[int], tuple[PodRef, ...]]  # physical id -> the containers holding it now
-
-
-def no_pods(phy_id: int) -> tuple[PodRef, ...]:
-    """The lookup when attribution is off."""
-    return ()
 
 
 def phy_id_of(resource: str, device_id: str) -> int | None:

@@ -21,7 +21,7 @@ import urllib3
 from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
-from agent.tasks import restarts
+from agent.lifecycle import restarts
 
 log = logging.getLogger(__name__)
 

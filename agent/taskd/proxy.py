@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 import grpc
 
 from agent._proto import tasknet_pb2 as pb
-from agent.grpcutil import EXCLUSIVE, bind
+from agent.common.grpcutil import EXCLUSIVE, bind
 from agent.taskd.budget import ByteBudget
 from agent.taskd.frames import Frame, Malformed
 from agent.taskd.peers import Peer, PeerRefused, PeerResolver
 from agent.taskd.routes import (Code, Invalid, Position, RouteTable, checked_destination, checked_own_position,
                                 is_broadcast)
 from agent.taskd.upstream import MAX_MESSAGE, ManagerLink, NotDelivered
-from agent.tasks import Tasks
+from agent.lifecycle import Tasks
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import grpc
 from agent._proto import tasknet_pb2 as pb
 from agent._proto import tasknet_pb2_grpc as pb_grpc
 from agent.taskd.routes import Code, Position
-from agent.tasks import Tasks
+from agent.lifecycle import Tasks
 
 log = logging.getLogger(__name__)
 

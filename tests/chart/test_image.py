@@ -48,7 +48,7 @@ def wheel(tmp_path_factory) -> Path:
 def test_wheel_carries_the_native_extension_and_no_tests(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert any(re.fullmatch(r"agent/_native\.cpython-311-.*\.so", n) for n in names), names
-    assert "agent/faults/builtin_fault_codes.json" in names
+    assert "agent/faults/rules/builtin_fault_codes.json" in names
     assert not [n for n in names if n.startswith(("tests/", "bench/"))]
 
 

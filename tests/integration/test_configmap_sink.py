@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 
-from agent.gojson import check_code
+from agent.common.gojson import check_code
 from tests.fakes.kube import KubeStandIn
 from tests.integration.conftest import phy
 from tests.integration.harness import wait_until

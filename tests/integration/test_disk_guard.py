@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.profiling.disk import DiskGuard
+from agent.diskguard.guard import DiskGuard
 from tests.integration.harness import AgentProcess, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -542,14 +542,14 @@ def test_directories_that_cannot_be_watched_are_measured_until_their_watches_can
 UNREADABLE_SCRIPT = r"""
 import asyncio, json, logging, os, sys
 from pathlib import Path
-from agent.profiling.disk import DiskGuard
+from agent.diskguard.guard import DiskGuard
 
 records = []
 class Keep(logging.Handler):
     def emit(self, record):
         records.append({"msg": record.getMessage(), "path": getattr(record, "path", None)})
-logging.getLogger("agent.profiling.disk").addHandler(Keep())
-logging.getLogger("agent.profiling.disk").setLevel(logging.INFO)
+logging.getLogger("agent.diskguard.guard").addHandler(Keep())
+logging.getLogger("agent.diskguard.guard").setLevel(logging.INFO)
 
 if os.geteuid() == 0:  # root reads everything: become the tree's owner, after every import
     os.setgid(65534)

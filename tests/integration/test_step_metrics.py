@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.demo_job import DemoJob
-from agent.profiling.synthetic import RankTiming
+from agent.demo.job import DemoJob
+from agent.demo.synthetic import RankTiming
 from tests.integration.harness import wait_until
 
 JOB = "0f4c1ad2-job-uid"

@@ -1,7 +1,7 @@
-"""Every long-lived task of the agent runs supervised (agent.tasks): none can die silently.
+"""Every long-lived task of the agent runs supervised (agent.lifecycle): none can die silently.
 
 The agent runs in this process with every component enabled, against the stand-ins, so the test
-can list the asyncio tasks it created. A task the agent starts outside agent.tasks is either
+can list the asyncio tasks it created. A task the agent starts outside agent.lifecycle is either
 scoped to one request or connection (it ends with it; the list below says which) or a bug."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import asyncio
 from pathlib import Path
 
 import agent
-from agent.cli import serve
+from agent.app import serve
 from agent.config import config_from_dict
 from tests.fakes.clusterd import ClusterdStandIn
 
@@ -59,8 +59,8 @@ def test_every_long_lived_task_runs_supervised(tmp_path, kube, monkeypatch):
         started: list = []
         run = asyncio.create_task(serve(config, stop, on_started=started.append))
         deadline = asyncio.get_running_loop().time() + 30
-        while not (started and started[0].supervisor.readiness()[0]):
-            assert asyncio.get_running_loop().time() < deadline, started and started[0].supervisor.readiness()
+        while not (started and started[0].readiness.check()[0]):
+            assert asyncio.get_running_loop().time() < deadline, started and started[0].readiness.check()
             assert not run.done(), run.result()
             await asyncio.sleep(0.05)
         running = agent_tasks(run, asyncio.current_task())
@@ -73,5 +73,5 @@ def test_every_long_lived_task_runs_supervised(tmp_path, kube, monkeypatch):
     supervised = {name for qualname, name in running if qualname == "Tasks._supervise"}
     unsupervised = [(qualname, name) for qualname, name in running
                     if qualname != "Tasks._supervise" and qualname not in PER_REQUEST]
-    assert not unsupervised, f"tasks outside agent.tasks: {unsupervised}"
+    assert not unsupervised, f"tasks outside agent.lifecycle: {unsupervised}"
     assert {"clusterd-sink/delivery", "configmap-sink/writer", "pod-attribution/refresh"} <= supervised, supervised

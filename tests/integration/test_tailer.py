@@ -16,8 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-from agent.profiling.records import RankKey
-from agent.profiling.tail import Position, ProfilingTailer
+from agent.steps.records import RankKey
+from agent.steps.tail import Position, ProfilingTailer
 
 T0 = 1_700_000_000
 KEY = RankKey("job", 0)

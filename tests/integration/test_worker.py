@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.profiling import records
+from agent.steps import records
 from agent.worker import jsonlines
 from agent.worker.fallback import Collector
 from agent.worker.runtime import Worker

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from agent.profiling import records
+from agent.steps import records
 from tests.fakes.mspti.trainer import Trainer, trainer_env
 from tests.fakes.tasknet.driver import free_port, manager
 from tests.integration.harness import AgentProcess, wait_until

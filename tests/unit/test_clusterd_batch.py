@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from agent.faults.clusterd_batch import (RECOVERED_KEEP_S, RECOVERED_MAX, ClusterdView, plan, reassertion, requests,
+from agent.sinks.clusterd.batch import (RECOVERED_KEEP_S, RECOVERED_MAX, ClusterdView, plan, reassertion, requests,
                                          resync)
-from agent.faults.engine import DeviceState
-from agent.faults.hub import Change
-from agent.faults.levels import Level
-from agent.faults.pubfault import PublicFault, public_faults
+from agent.model import Change, DeviceState, Level
+from agent.sinks.clusterd.pubfault import PublicFault, public_faults
 
 NODE = "node-a"
 CODES = {"SeparateNPU": "020011001", "RestartNPU": "020011002"}

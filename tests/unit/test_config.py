@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from agent.config import NODE_NAME, config_from_dict, load_config
-from agent.errors import MAX_PROBLEMS, ConfigError
-from agent.faults import pubfault
+from agent.common.errors import MAX_PROBLEMS, ConfigError
+from agent.sinks.clusterd import pubfault
 
 
 def test_defaults_follow_the_contract():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agent.kube.jobs import job_of
-from agent.profiling.datatrace import (Keep, PodInfo, SwitchConfigMap, desired, directory_name,
+from agent.datatrace.desired import (Keep, PodInfo, SwitchConfigMap, desired, directory_name,
                                        parse_directory_name)
 
 SWITCH = b'{"CommunicationOperator":"off","Step":"on","SaveCheckpoint":"on","FP":"on","DataLoader":"on"}'

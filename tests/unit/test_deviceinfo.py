@@ -5,10 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 
-from agent.faults.deviceinfo import content_key, device_info_data, device_type
-from agent.faults.engine import ActiveCode, DeviceState, Health
-from agent.faults.levels import Level
-from agent.gojson import check_code, go_map, marshal
+from agent.sinks.configmap.deviceinfo import content_key, device_info_data, device_type
+from agent.model import ActiveCode, DeviceState, Health, Level
+from agent.common.gojson import check_code, go_map, marshal
 
 
 def test_check_code_of_the_published_example_matches_the_device_plugins(reference_dir):

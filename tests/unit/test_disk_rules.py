@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from agent.profiling.disk_rules import Scopes, UsageLedger, choose_victims, is_record_name
+from agent.diskguard.rules import UsageLedger, choose_victims
+from agent.fstree.paths import Scopes, is_record_name
 
 T0 = 1_763_456_789  # a 10-digit Unix second
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from agent.faults.codes import CARD_DROP_CODE, parse_fault_code_table
-from agent.faults.customization import parse_customization
-from agent.faults.engine import Assertion, EngineSettings, FaultEngine, Health
-from agent.faults.levels import Level
+from agent.faults.rules.codes import parse_fault_code_table
+from agent.model import Assertion, CARD_DROP_CODE, Health, Level
+from agent.faults.rules.customization import parse_customization
+from agent.faults.rules.engine import EngineSettings, FaultEngine
 
 OCCUR, RECOVER, ONCE = Assertion.OCCUR, Assertion.RECOVER, Assertion.ONCE
 T0 = 1_780_000_000_000  # a unix time in ms

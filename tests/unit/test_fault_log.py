@@ -7,8 +7,7 @@ import zlib
 
 import pytest
 
-from agent.faults.engine import ActiveCode, DeviceState, Health
-from agent.faults.levels import Level
+from agent.model import ActiveCode, DeviceState, Health, Level
 from agent.faults.log import FaultLog
 
 

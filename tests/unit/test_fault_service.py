@@ -5,12 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 
-from agent import tasks
+from agent import lifecycle as tasks
 from agent.config import FaultsConfig
-from agent.devices.base import DeviceInfo, Reading
-from agent.faults.engine import Health
+from agent.model import DeviceInfo, Health, Level, Reading
 from agent.faults.hub import FaultHub
-from agent.faults.levels import Level
 from agent.faults.log import FaultLog
 from agent.faults.service import FaultService
 from tests.unit.aio import until
@@ -32,8 +30,7 @@ def test_a_reload_that_fails_is_restarted_and_the_next_file_loads(tmp_path):
         fault_log = FaultLog(tmp_path / "faultlog")
         fault_log.open()
         service = FaultService(FaultsConfig(fault_code_file=str(table)), str(tmp_path), fault_log, FaultHub("n"),
-                               once_hold_s=5, reload_interval_s=0.05)
-        service.listeners.append(sink)
+                               once_hold_s=5, listeners=[sink], reload_interval_s=0.05)
         before = tasks.restarts["faults/rule-reload"]
         await service.start()
         try:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from agent.faults.engine import DeviceState
-from agent.faults.hub import Change, FaultHub, Snapshot
-from agent.faults.levels import Level
+from agent.model import Change, DeviceState, Level, Snapshot
+from agent.faults.hub import FaultHub
 
 
 def state(phy: int, level: Level = Level.NormalNPU) -> DeviceState:

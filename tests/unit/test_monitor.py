@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-from agent import tasks
-from agent.devices.base import DeviceInfo, Reading
+from agent import lifecycle as tasks
+from agent.model import DeviceInfo, Health, Reading
 from agent.devices.monitor import DeviceMonitor
-from agent.faults.engine import Health
 from tests.unit.aio import until
 
 
@@ -56,6 +55,9 @@ class Observer:
 
     def on_reading(self, device, reading, started_ms) -> None:
         self._call("reading")
+
+    def on_polled(self) -> None:
+        self._call("polled")
 
 
 def run_monitor(observer: Observer, driver: Driver, check) -> None:

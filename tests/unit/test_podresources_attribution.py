@@ -1,7 +1,8 @@
 """Device plugin ids → physical NPU ids, and a PodResources answer → who holds which NPU."""
 
 from agent._proto import podresources_pb2 as pb
-from agent.kube.podresources import PodRef, attribute, phy_id_of
+from agent.kube.podresources import attribute, phy_id_of
+from agent.model import PodRef
 
 
 def test_device_ids_of_every_ascend_form():

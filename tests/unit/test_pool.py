@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from agent.devices.pool import DaemonPool
+from agent.common.pool import DaemonPool
 
 
 def test_results_exceptions_and_reuse():
@@ -34,7 +34,7 @@ def test_a_stuck_call_does_not_block_the_others_and_its_thread_is_a_daemon():
 POOL_UNDER_A_PID_LIMIT = r"""
 import sys, time
 from pathlib import Path
-from agent.devices.pool import DaemonPool
+from agent.common.pool import DaemonPool
 
 cgroup = Path(sys.argv[1])
 pool = DaemonPool(max_threads=1, name="p")

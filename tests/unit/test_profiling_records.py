@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import random
 
-from agent.profiling.records import parse, text
+from agent.steps.records import parse, text
 
 
 def line(flag=16, source=0, ts=1_755_771_234_123_456_789, ident=1024, name="step 120", domain="default", pid=48213,

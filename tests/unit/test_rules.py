@@ -9,10 +9,10 @@ import pytest
 
 from tests.conftest import REPO
 
-from agent.errors import MAX_PROBLEMS, ConfigError
-from agent.faults.codes import load_fault_code_table, parse_fault_code_table
-from agent.faults.customization import NEVER_RELEASE_S, load_customization, parse_customization
-from agent.faults.levels import Level
+from agent.common.errors import MAX_PROBLEMS, ConfigError
+from agent.faults.rules.codes import load_fault_code_table, parse_fault_code_table
+from agent.faults.rules.customization import NEVER_RELEASE_S, load_customization, parse_customization
+from agent.model import Level
 
 
 def test_the_device_plugins_fault_code_table_loads(reference_dir):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from agent.profiling.detect import COMPUTE, IO, NODE_HOST, NODE_RANKS, TEMPORAL, SlowRankDetector
-from agent.profiling.records import RankKey
-from agent.profiling.steps import StepSample
-from agent.profiling.synthetic import RankTiming, SyntheticJob
+from agent.steps.detect import COMPUTE, IO, NODE_HOST, NODE_RANKS, TEMPORAL, SlowRankDetector
+from agent.steps.records import RankKey
+from agent.steps.pairing import StepSample
+from agent.demo.synthetic import RankTiming, SyntheticJob
 
 JOB = "job-uid-1"
 

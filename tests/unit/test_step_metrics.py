@@ -11,14 +11,14 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from agent.demo_job import DemoJob
+from agent.demo.job import DemoJob
 from agent.metrics import make_registry
-from agent.profiling.metrics import StepCollector
-from agent.profiling.records import RankKey
-from agent.profiling.step_metrics import (GONE_GRACE_S, IDLE_GRACE_S, LOGGED_MAX, MAX_PROCESSES, StepMetrics,
+from agent.steps.metrics import StepCollector
+from agent.steps.records import RankKey
+from agent.steps.consumer import (GONE_GRACE_S, IDLE_GRACE_S, LOGGED_MAX, MAX_PROCESSES, StepMetrics,
                                           pipeline_stage)
-from agent.profiling.steps import MAX_OPEN
-from agent.profiling.tail import Position
+from agent.steps.pairing import MAX_OPEN
+from agent.steps.tail import Position
 
 KEY = RankKey("job", 0)
 
@@ -47,11 +47,22 @@ def marker(flag: int, ident: int, name: str = "NULL", pid: int = 7, ts: int = 1_
             f'"Domain":"default"}}\n').encode()
 
 
+class Consumer(StepMetrics):
+    """StepMetrics with a record of the positions its batches handed back."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.commits = []
+
+    def on_batch_end(self):
+        handed = super().on_batch_end()
+        self.commits += handed.items()
+        return handed
+
+
 def consumer(tmp_path: Path, clock: Clock, **kwargs) -> tuple[StepMetrics, list]:
-    commits = []
-    steps = StepMetrics(tmp_path / "steps.json", clock=clock, **kwargs)
-    steps.commit = lambda key, position: commits.append((key, position))
-    return steps, commits
+    steps = Consumer(tmp_path / "steps.json", clock=clock, **kwargs)
+    return steps, steps.commits
 
 
 def test_steps_are_counted_and_the_end_of_what_was_read_is_committed(tmp_path):

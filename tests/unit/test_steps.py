@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from agent.profiling.steps import RankAssembler
+from agent.steps.pairing import RankAssembler
 
 MS = 1_000_000
 PID, DEV = 4242, 3

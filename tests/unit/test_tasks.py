@@ -1,12 +1,12 @@
-"""agent.tasks: a task that raises is logged, counted, named on readiness and started again."""
+"""agent.lifecycle: a task that raises is logged, counted, named on readiness and started again."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 
-from agent import tasks
-from agent.tasks import Tasks
+from agent import lifecycle as tasks
+from agent.lifecycle import Tasks
 from tests.unit.aio import until
 
 
@@ -32,7 +32,7 @@ def test_a_failing_task_is_restarted_after_reset_and_shows_until_it_has_run_a_wh
         await until(lambda: not group.running)  # a body that returns is finished, not restarted
         assert len(runs) == 3
 
-    caplog.set_level(logging.ERROR, "agent.tasks")
+    caplog.set_level(logging.ERROR, "agent.lifecycle")
     before = tasks.restarts["comp/loop"]
     asyncio.run(main())
     assert tasks.restarts["comp/loop"] - before == 2

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from agent.profiling import records
+from agent.steps import records
 from agent.worker.jsonlines import api_line, escape, kernel_line, marker_line, quote
 
 

@@ -1,0 +1,212 @@
+"""The composition root: every component the configuration enables, built once, in dependency order.
+
+Read top to bottom: the fault pipeline (log, hub, sinks, rules, devices), then the node's pods, the
+profiling hostPaths, the TaskD proxy, and last the endpoints that report on all of them. Nothing is
+rewired after construction; `serve` runs the result until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from agent import __version__
+from agent.config import Config
+from agent.devices.base import DeviceBackend
+from agent.devices.monitor import DeviceMonitor
+from agent.faults.hub import FaultHub
+from agent.faults.log import FaultLog
+from agent.faults.service import FaultService
+from agent.grpc_server import GrpcServer
+from agent.http import HttpEndpoint
+from agent.lifecycle import Readiness, Supervisor
+from agent.metrics import AgentCollector, make_registry
+from agent.model import PodsOf, no_pods
+
+log = logging.getLogger(__name__)
+
+HUB_KEEP = 4096  # changes kept in memory for stream subscribers that resume
+MIB = 1 << 20  # TaskD's "MB" is a MiB
+EXIT_OK, EXIT_RUNTIME = 0, 1
+
+
+@dataclass(frozen=True)
+class App:
+    config: Config
+    supervisor: Supervisor
+    readiness: Readiness
+    hub: FaultHub
+    fault_log: FaultLog
+    faults: FaultService
+    monitor: DeviceMonitor
+    http: HttpEndpoint
+    grpc: GrpcServer
+    pods_of: PodsOf  # physical id -> the containers holding the NPU (empty without attribution)
+    guard: object | None = None  # DiskGuard, when profiling.disk_guard
+    steps: object | None = None  # StepMetrics, when profiling.metrics
+
+
+def make_backend(config: Config, clock: Callable[[], float] = time.time) -> DeviceBackend:
+    devices = config.devices
+    if devices.backend == "simulated":
+        from agent.devices.scenario import load_scenario
+        from agent.devices.simulated import SimulatedBackend
+
+        sim = devices.simulated
+        scenario = load_scenario(sim.scenario, sim.devices) if sim.scenario else None
+        return SimulatedBackend(sim.devices, sim.chip_name, scenario, clock)
+    from agent.devices.dcmi import DcmiBackend
+
+    return DcmiBackend(devices.dcmi_library)
+
+
+def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[[], float] = time.time) -> App:
+    """Raises OSError when the fault log in state_dir cannot be opened. Features that are off cost
+    no import: the Kubernetes client, the profiling followers and the proxy load only when enabled."""
+    node, state_dir, kube = config.node_name, Path(config.state_dir), config.kubernetes
+    collectors = []
+
+    # The fault pipeline: durable log -> hub (current state, stream fan-out) -> sinks.
+    fault_log = FaultLog(state_dir / "faultlog")
+    fault_log.open()
+    recent = fault_log.changes_after(max(0, fault_log.revision - HUB_KEEP)) or []
+    hub = FaultHub(node, keep=HUB_KEEP, epoch=fault_log.epoch, history=recent, latest=fault_log.latest())
+
+    attribution = None
+    if kube.pod_resources_socket:
+        from agent.kube.podresources import PodAttribution
+
+        attribution = PodAttribution(kube.pod_resources_socket, kube.pod_resources_refresh_seconds)
+    pods_of = attribution.pods_of if attribution else no_pods
+
+    sinks = []
+    if config.clusterd.enabled:
+        from agent.sinks.clusterd.sink import ClusterdSink
+
+        # Until every device was polled, the log's last states may be stale: ClusterD waits for the hub.
+        sinks.append(ClusterdSink(config.clusterd, node, fault_log, clock, pods_of, devices_known=lambda: hub.current))
+    if kube.enabled and kube.device_info_configmap:
+        from agent.sinks.configmap.sink import DeviceInfoConfigMapSink
+
+        sinks.append(DeviceInfoConfigMapSink(node, hub, lambda: hub.chip_name, clock=clock))
+
+    listeners = [*([attribution.refresh_soon] if attribution else []), *(sink.notify for sink in sinks)]
+    faults = FaultService(config.faults, config.state_dir, fault_log, hub, listeners=listeners,
+                          once_hold_s=config.devices.poll_interval_seconds, clock=clock)
+    monitor = DeviceMonitor(backend or make_backend(config, clock), faults,
+                            poll_interval_s=config.devices.poll_interval_seconds,
+                            call_timeout_s=config.devices.call_timeout_seconds, clock=clock)
+    servers = [GrpcServer(config.grpc.listen, hub, pods_of)]
+
+    # One watch of this node's pods for whoever needs them (job labels, datatrace, the proxy's pod check).
+    node_pods = jobs = None
+    wants_jobs = kube.enabled and (config.profiling.metrics or config.taskd_proxy.enabled)
+    if wants_jobs or config.datatrace.enabled:
+        from agent.kube.client import core_api
+        from agent.kube.pods import NodePods
+
+        node_pods = NodePods(node, core_api, kube.watch_timeout_seconds)
+    if wants_jobs:
+        from agent.kube.jobs import JobDirectory
+
+        jobs = JobDirectory(node_pods)
+
+    profiling = []
+    guard = steps = None
+    if config.profiling.disk_guard:
+        from agent.diskguard.guard import DiskGuard
+        from agent.diskguard.metrics import DiskGuardCollector
+
+        guard = DiskGuard(Path(config.profiling.root), config.profiling.disk_limit_mb * MIB)
+        collectors.append(DiskGuardCollector(node, guard))
+        profiling.append(guard)
+    if config.profiling.metrics:
+        from agent.steps.consumer import StepMetrics
+        from agent.steps.metrics import StepCollector
+        from agent.steps.tail import ProfilingTailer
+
+        steps = StepMetrics(state_dir / "steps.json", job_labels=jobs.labels if jobs else None)
+        tailer = ProfilingTailer(Path(config.profiling.root), state_dir / "profiling-offsets.json", steps)
+        collectors.append(StepCollector(node, steps))
+        profiling += [steps, tailer]  # the tailer stops first and hands its last lines over
+    if config.datatrace.enabled:
+        from agent.datatrace.metrics import DatatraceCollector
+        from agent.datatrace.sync import DatatraceSync
+        from agent.kube.client import core_api
+
+        datatrace = DatatraceSync(Path(config.datatrace.root), node, core_api, node_pods, kube.watch_timeout_seconds)
+        collectors.append(DatatraceCollector(node, datatrace))
+        profiling.append(datatrace)
+
+    if config.taskd_proxy.enabled:
+        from agent.taskd.metrics import TaskdProxyCollector
+        from agent.taskd.peers import PeerResolver
+        from agent.taskd.proxy import TaskdProxy
+
+        proxy_config = config.taskd_proxy
+        proxy = TaskdProxy(proxy_config.listen, proxy_config.manager_port,
+                           dial_timeout_s=proxy_config.dial_timeout_seconds, hold_s=proxy_config.hold_seconds,
+                           queue_limit=proxy_config.queue_limit, job_bytes=proxy_config.job_buffer_mb << 20,
+                           node_bytes=proxy_config.node_buffer_mb << 20, resolver=PeerResolver(jobs=jobs))
+        collectors.append(TaskdProxyCollector(node, proxy))
+        servers.append(proxy)
+
+    # Start order: attribution first (the stream's first snapshot already names the pods); the
+    # servers, so /readyz and the stream answer while the driver is still being opened; sinks before
+    # the sources that feed them; the pod watch before the profiling parts that read it.
+    first = [attribution] if attribution else []
+    rest = [*servers, *sinks, faults, monitor, *([node_pods] if node_pods and node_pods.subscribed else []), *profiling]
+    readiness = Readiness([*first, *rest])  # the endpoint that answers /readyz is ready by answering
+    collectors.insert(0, AgentCollector(node, monitor, faults, hub, fault_log, sinks, readiness.ready_by_component,
+                                        pods_of))
+    http = HttpEndpoint(config.http.listen, make_registry(*collectors), readiness.check)
+    supervisor = Supervisor([*first, http, *rest])
+    return App(config, supervisor, readiness, hub, fault_log, faults, monitor, http, servers[0], pods_of, guard, steps)
+
+
+async def serve(config: Config, stop: asyncio.Event | None = None, backend: DeviceBackend | None = None,
+                on_started: Callable[[App], None] | None = None) -> int:
+    """Run the agent until `stop` is set or SIGTERM/SIGINT arrives; returns the exit code."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    try:
+        Path(config.state_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        log.error("state_dir is not usable; escalation history will not survive a restart",
+                  extra={"state_dir": config.state_dir, "error": str(exc)})
+    try:
+        app = build(config, backend=backend)
+    except OSError as exc:
+        log.error("cannot open the fault log in state_dir", extra={"state_dir": config.state_dir, "error": str(exc)})
+        return EXIT_RUNTIME
+    log.info("npu-node-agent starting", extra={"version": __version__, "node": config.node_name,
+                                                "backend": config.devices.backend})
+    try:
+        await app.supervisor.start()
+    except OSError as exc:
+        log.error("cannot start", extra={"error": str(exc)})
+        await app.supervisor.stop()
+        return EXIT_RUNTIME
+    # Everything built so far lives as long as the process: keep it out of the collector's full
+    # passes, which otherwise walk every gRPC and protobuf object (a ~65 ms pause on a small node).
+    gc.freeze()
+    if on_started is not None:
+        on_started(app)
+    await stop.wait()
+    started = time.monotonic()
+    log.info("stopping")
+    await app.supervisor.stop()
+    app.fault_log.close()
+    log.info("stopped", extra={"seconds": round(time.monotonic() - started, 3)})
+    return EXIT_OK

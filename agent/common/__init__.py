@@ -1,0 +1,1 @@
+"""Small pieces every subsystem may use: errors told briefly, file helpers, logging, rate limits, Go-compatible JSON, gRPC ports, the daemon thread pool. Imports nothing else of the agent but `model`."""

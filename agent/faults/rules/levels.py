@@ -1,0 +1,16 @@
+"""Fault levels of the Ascend Device Plugin, ordered by severity."""
+
+from __future__ import annotations
+
+from agent.model import Level
+
+
+# Levels a parameter-plane (network) code may have; the device plugin downgrades the others.
+NETWORK_LEVELS = frozenset(
+    {Level.NotHandleFault, Level.SubHealthFault, Level.PreSeparateNPU, Level.SeparateNPU}
+)
+
+
+def format_code(code: int) -> str:
+    """Upper-case hex without 0x, at least 8 digits (9-digit synthesized codes keep their length)."""
+    return f"{code:08X}"

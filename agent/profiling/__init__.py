@@ -1,1 +1,0 @@
-"""Profiling hostPaths: the datatrace switch files, the disk guard, step metrics."""

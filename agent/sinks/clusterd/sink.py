@@ -1,0 +1,401 @@
+"""The ClusterD sink: keeps ClusterD's public-fault cache equal to this node's public faults.
+
+It walks the durable fault log from its cursor, turns each device change into occur/recover
+transitions against what ClusterD has acknowledged, sends them in batches of up to 100 at no more
+than one request a second (ClusterD's per-resource budget is shared by the whole cluster), and
+advances its cursor, saved with its view of ClusterD, only after ClusterD answered 0. A rate-limited
+(410) or unreachable ClusterD is retried with backoff and jitter; a rejected request (409) cannot
+happen for requests that passed the same validation here, so it is logged with the request as a bug.
+
+Delivering every change once is not enough: ClusterD loses faults (a restart without its saved
+cache), brings recovered ones back (a restart loses its queue of pending deletions), and a request
+that timed out may still land. So the sink re-asserts its view (`clusterd_batch.reassertion`)
+whenever ClusterD may have lost it: at start, when the connection to ClusterD dropped or a request
+failed (and once more `FOLLOW_UP_S` later, for a ClusterD that reloads its cache after it started
+serving), and every `reconcile_interval_seconds`. A node with no fault held or recently recovered
+sends nothing.
+
+The sink never dies: a failed cursor write keeps the cursor in memory and is retried with backoff
+(delivery goes on meanwhile), an unexpected error restarts the delivery loop with backoff, and
+both show on /readyz until they clear.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections import Counter
+from typing import Callable
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from agent._proto import pubfault_pb2 as pb
+from agent._proto import pubfault_pb2_grpc as pb_grpc
+from agent.config import ClusterdConfig
+from agent.sinks.clusterd.batch import ClusterdView, Transition, plan, reassertion, requests, resync
+from agent.model import Change, PodsOf, no_pods
+from agent.faults.log import FaultLog
+from agent.sinks.clusterd.pubfault import PublicFault, fault_problems, public_faults, request_problems, to_message
+from agent.common.fsutil import WriteRetry
+from agent.common.ratelimit import TokenBucket
+from agent.lifecycle import Tasks
+
+log = logging.getLogger(__name__)
+
+SINK = "clusterd"
+CALL_DEADLINE_S = 5.0
+REQUESTS_PER_S, REQUEST_BURST = 1.0, 2
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 30.0
+FOLLOW_UP_S = 30.0  # ClusterD reloads its saved cache only after it serves; requests before may be undone
+# Every node notices a ClusterD restart at the same moment, and the new process has a burst of 100
+# requests for the whole cluster: spread the re-assertions (and their follow-ups) a little.
+REASSERT_SPREAD_S = 1.0
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),  # ClusterD answers pings more often than every 3 s with GOAWAY
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_send_message_length", 4 * 1024 * 1024),
+    # Notice a returning ClusterD within a second or two (one connection: the attempts cost nothing).
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+
+
+class ClusterdSink:
+    name = SINK
+
+    def __init__(self, config: ClusterdConfig, node: str, fault_log: FaultLog,
+                 clock: Callable[[], float] = time.time, pods_of: PodsOf = no_pods,
+                 devices_known: Callable[[], bool] = lambda: True):
+        self._config = config
+        self._devices_known = devices_known  # the first poll is done: the log's latest states are current
+        self._pods_of = pods_of  # who holds an NPU when its fault is sent (kubelet attribution)
+        self._node = node
+        self._log = fault_log
+        self._clock = clock
+        self._bucket = TokenBucket(REQUESTS_PER_S, REQUEST_BURST, time.monotonic)
+        self._wakeup = asyncio.Event()
+        self.tasks = Tasks("clusterd-sink")
+        self._channel: grpc.aio.Channel | None = None
+        self._stub = None
+        self._view = ClusterdView()  # what ClusterD holds, as far as it acknowledged
+        self._cursor: int | None = None  # acknowledged up to here (saved, or waiting to be saved)
+        self._save_at: float | None = None  # monotonic time of the next attempt to save the cursor
+        self._reassert_at = 0.0  # monotonic
+        self._reassert_why = "start"
+        self._follow_up = True  # a request of the previous run may land after the first re-assertion
+        self._failed_call = False  # since the last success: a request that failed may still land
+        self._first_run = True
+        self._in_flight: asyncio.Future | None = None
+        self._maybe_sent = 0  # changes up to here may have been sent by a previous run that died
+        self.writes = WriteRetry("ClusterD sink's cursor")
+        self.counters: Counter[str] = Counter()  # requests by result
+        self.reconciles: Counter[str] = Counter()  # re-assertions that sent something, by reason
+        self.unsent = 0  # occurrences over before they could be sent (clusterd_batch.plan)
+        self.last_success = 0.0
+
+    # ---- component ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._channel = grpc.aio.insecure_channel(self._config.address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.PubFaultStub(self._channel)
+        self.tasks.start("delivery", self._run)
+        self.tasks.start("connection-watch", self._watch_channel)
+
+    async def stop(self) -> None:
+        # A clean stop leaves no request in flight (the next start relies on it): let the one on its
+        # way finish, within its deadline, before the tasks go.
+        if self._in_flight is not None and not self._in_flight.done():
+            await asyncio.wait([self._in_flight], timeout=CALL_DEADLINE_S)
+            if self._in_flight.done() and not self._in_flight.cancelled():
+                self._in_flight.exception()  # its outcome is the next run's business (it resends)
+        await self.tasks.stop()
+        if self._channel is not None:
+            await self._channel.close(grace=None)
+
+    def readiness(self) -> tuple[bool, str]:
+        # Delivery lag (ClusterD down) shows in npu_agent_outbox_pending; this is about the agent itself.
+        return not self.writes.problem, self.writes.problem
+
+    def notify(self, changes: list[Change]) -> None:
+        """The fault log has new changes (called on the loop after each durable append)."""
+        self._wakeup.set()
+
+    @property
+    def pending(self) -> int:
+        if self._cursor is None:
+            return self._log.pending(SINK)
+        return self._log.revision - self._cursor
+
+    @property
+    def held(self) -> int:
+        return len(self._view.held)
+
+    async def _watch_channel(self) -> None:
+        """A connection to ClusterD that drops may be ClusterD restarting: re-assert when it is back.
+
+        While ClusterD should hold faults of this node the channel is kept connected, so a restart
+        is noticed at once; otherwise it idles out (gRPC's idle timeout), as ClusterD admits only
+        1,024 connections for the whole cluster."""
+        state = self._channel.get_state()
+        while True:
+            await self._channel.wait_for_state_change(state)
+            new = self._channel.get_state()
+            if state is grpc.ChannelConnectivity.READY and new is not grpc.ChannelConnectivity.READY:
+                self._reassert_soon("connection lost")
+            if new is grpc.ChannelConnectivity.IDLE and self._view.held:
+                new = self._channel.get_state(try_to_connect=True)
+            state = new
+
+    def _reassert_soon(self, why: str) -> None:
+        at = time.monotonic() + random.uniform(0, REASSERT_SPREAD_S)
+        if at < self._reassert_at:
+            self._reassert_at, self._reassert_why = at, why
+        self._follow_up = True
+        self._wakeup.set()
+
+    # ---- delivery -----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        if self._cursor is None:
+            self._restore()
+        if self._first_run:
+            self._first_run = False
+            await self._let_previous_requests_land()
+        if self._cursor is None:
+            while not self._devices_known():  # resynchronise to the devices' state now, not the log's
+                await asyncio.sleep(0.05)
+            await self._resync("no usable cursor in this fault log epoch")
+        while True:
+            self._wakeup.clear()
+            more = await self._deliver_once()
+            if time.monotonic() >= self._reassert_at:
+                await self._reassert()
+            if self._save_at is not None and time.monotonic() >= self._save_at:
+                self._save()
+            if more:
+                continue
+            waits = [self._reassert_at - time.monotonic(), *([self._save_at - time.monotonic()] if self._save_at else [])]
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), max(0.0, min(waits)))
+            except TimeoutError:
+                pass
+
+    def _restore(self) -> None:
+        saved = self._log.sink_state(SINK)
+        self._cursor = self._log.cursor(SINK)
+        try:
+            if saved is not None:
+                self._view = ClusterdView.from_dict(saved)
+            else:  # resynchronise from what an older agent's cursor says ClusterD holds
+                self._view, self._cursor = self._legacy_view(self._cursor), None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            log.error("the clusterd sink's saved view is malformed; starting without it (faults ClusterD holds "
+                      "from before may stay there)", extra={"error": str(exc)})
+            self._view, self._cursor = ClusterdView(), None
+        if not self._log.previous_clean:
+            self._maybe_sent = self._log.revision
+        if self._view.resyncing:
+            self._cursor = None  # the previous run died in the middle of a resync: do it again
+        if saved is None and self._cursor is None:
+            self._follow_up = False  # no previous run of this sink: nothing of it can still be in flight
+        log.info("clusterd sink starting", extra={
+            "address": self._config.address, "resource": self._config.resource, "cursor": self._cursor,
+            "pending": self.pending, "held": len(self._view.held), "recently_recovered": len(self._view.recovered)})
+
+    def _legacy_view(self, cursor: int | None) -> ClusterdView:
+        """A cursor saved without a view (an agent from before keys were per occurrence): ClusterD holds
+        the faults of the cursor's state under the old keys, which a resync then recovers."""
+        states = self._log.state_at(cursor) if cursor is not None else None
+        held: dict[str, PublicFault] = {}
+        for state in (states or {}).values():
+            held.update(public_faults(self._node, state, self._config.public_codes, legacy=True))
+        return ClusterdView(held=held)
+
+    async def _deliver_once(self) -> bool:
+        """Send the next batch; True when more is pending."""
+        changes = self._log.changes_after(self._cursor)
+        if changes is None:  # cannot happen: compaction keeps what the saved cursor still needs
+            await self._resync("the cursor fell behind the fault log")
+            return False
+        if not changes:
+            return False
+        step = plan(self._view.held, self._cursor, changes, self._wanted, self._maybe_sent)
+        if step.unsent:
+            self.unsent += step.unsent
+            log.info("fault occurrences that began and ended before they could be sent; not sent", extra={
+                "occurrences": step.unsent})
+        if step.transitions:
+            await self._send(step.transitions)
+        self._acknowledged(step.transitions, step.held, step.last_revision)
+        return self._log.revision > self._cursor
+
+    async def _resync(self, why: str) -> None:
+        revision = self._log.revision
+        wanted = {phy: self._wanted(change) for phy, change in self._log.latest().items()}
+        items, target = resync(self._view.held, wanted)
+        log.info("clusterd sink resynchronising ClusterD from the current state", extra={
+            "reason": why, "revision": revision, "held": len(self._view.held), "now": len(target)})
+        self._view = ClusterdView({**self._view.held, **target}, self._view.recovered, resyncing=True)
+        self._cursor = revision
+        self._save()  # first: what may be held once these requests went out
+        for chunk in requests(items):
+            await self._send(chunk)
+        if items:
+            self.reconciles["resync"] += 1
+        self._acknowledged(items, target, revision)
+        if self._reassert_why == "start":
+            self._next_reassertion()  # the resync was the start's re-assertion
+
+    def _acknowledged(self, sent: list[Transition], held: dict[str, PublicFault], revision: int) -> None:
+        self._view = self._view.acknowledged(sent, held, int(self._clock() * 1000))
+        self._cursor = revision
+        self._save()
+
+    def _save(self) -> None:
+        try:
+            self._log.commit(SINK, self._cursor, self._view.to_dict())
+        except OSError as exc:
+            self._save_at = time.monotonic() + self.writes.failed(exc, revision=self._cursor)
+            return
+        self._save_at = None
+        self.writes.succeeded()
+
+    def _next_reassertion(self) -> None:
+        if self._follow_up:
+            self._follow_up, self._reassert_why = False, "follow-up"
+            self._reassert_at = time.monotonic() + FOLLOW_UP_S + random.uniform(0, 3 * REASSERT_SPREAD_S)
+        else:
+            self._reassert_why = "periodic"
+            self._reassert_at = time.monotonic() + self._config.reconcile_interval_seconds * random.uniform(0.9, 1.1)
+
+    async def _reassert(self) -> None:
+        why = self._reassert_why
+        self._next_reassertion()
+        items = reassertion(self._view)
+        if not items:
+            return
+        log.info("re-asserting public faults to clusterd", extra={
+            "reason": why, "held": len(self._view.held), "recently_recovered": len(self._view.recovered)})
+        for chunk in requests(items):
+            await self._send(chunk)
+        self.reconciles[why] += 1
+
+    async def _let_previous_requests_land(self) -> None:
+        """A previous run that died (not a clean stop) may have left a request in flight, and ClusterD
+        applies a request whatever the client's deadline: wait until that deadline has passed, so the
+        stale request cannot land after (and undo) this run's first one."""
+        if self._log.previous_clean or (self._log.sink_state(SINK) is None and self._cursor is None):
+            return
+        log.info("holding the first request until the previous run's last one has expired",
+                 extra={"seconds": CALL_DEADLINE_S + 0.5})
+        await asyncio.sleep(CALL_DEADLINE_S + 0.5)
+
+    def _wanted(self, change: Change) -> dict[str, PublicFault]:
+        return public_faults(self._node, change.state, self._config.public_codes)
+
+    async def _send(self, batch: list[Transition]) -> None:
+        """Until ClusterD answered 0 (or refused the request as invalid: a bug, logged)."""
+        faults = []
+        codes = frozenset(self._config.public_codes.values())
+        for assertion, fault in batch:
+            message = to_message(self._node, assertion, fault, self._pods_of(fault.device))
+            # (a recover carries the code it was raised with, which the configuration may no longer list)
+            problems = fault_problems(message, codes if assertion == "occur" else None)
+            if problems:
+                self.counters["invalid"] += 1
+                log.error("public fault fails ClusterD's rules; not sent", extra={
+                    "fault": MessageToDict(message), "problems": problems})
+                continue
+            faults.append(message)
+        attempt = 0
+        while faults:
+            delay = self._bucket.wait_time()
+            if delay:
+                await asyncio.sleep(delay)
+            self._bucket.take()
+            now_ms = int(self._clock() * 1000)
+            request = pb.PublicFaultRequest(id=str(uuid.uuid4()), timestamp=now_ms, version="1.0",
+                                            resource=self._config.resource, faults=faults)
+            problems = request_problems(request)
+            # Only the node's clock can make it invalid (before 2025): wait for it rather than lose the request.
+            outcome = "invalid" if problems else await self._call(request)
+            if problems:
+                self.counters["invalid"] += 1
+                self._log_transition("request fails ClusterD's rules (the node's clock?); retrying", code="invalid",
+                                     details="; ".join(problems))
+            if outcome == "sent":
+                self.last_success = self._clock()
+                if self._failed_call:  # what failed may land late, or ClusterD may have restarted meanwhile
+                    self._failed_call = False
+                    self._reassert_soon("after failed requests")
+                return
+            if outcome == "rejected":
+                return
+            attempt += 1
+            backoff = random.uniform(0.5, min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** attempt))
+            if outcome == "failed":
+                if self._channel.get_state() is not grpc.ChannelConnectivity.READY:
+                    await self._sleep_until_connected(backoff)
+                    continue
+            await asyncio.sleep(backoff)
+
+    async def _sleep_until_connected(self, seconds: float) -> None:
+        """Back off, but retry as soon as the channel connects again: ClusterD is back."""
+        async def connected() -> None:
+            state = self._channel.get_state(try_to_connect=True)
+            while state is not grpc.ChannelConnectivity.READY:
+                await self._channel.wait_for_state_change(state)
+                state = self._channel.get_state(try_to_connect=True)
+        try:
+            await asyncio.wait_for(connected(), seconds)
+        except TimeoutError:
+            pass
+
+    async def _call(self, request: pb.PublicFaultRequest) -> str:
+        self._in_flight = asyncio.ensure_future(self._stub.SendPublicFault(request, timeout=CALL_DEADLINE_S))
+        try:
+            reply = await asyncio.shield(self._in_flight)  # stop() waits for it rather than cancelling it
+        except grpc.aio.AioRpcError as exc:
+            self.counters["unavailable"] += 1
+            self._log_transition("clusterd unreachable; retrying", code=exc.code().name, details=exc.details())
+            # A request that reached ClusterD and got no answer may still be applied, later than what
+            # follows it. (A refused connection, or ClusterD's "qps exceeded", applied nothing; a
+            # connection that broke mid-call is noticed by the connection watch.)
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED or (
+                    exc.code() is grpc.StatusCode.UNKNOWN and "qps exceeded" not in (exc.details() or "")):
+                self._failed_call = True
+            return "failed"
+        if reply.code == 0:
+            self.counters["sent"] += 1
+            self._log_transition("")
+            log.info("public faults delivered", extra={
+                "faults": [f"{f.assertion} {f.faultCode} NPU{f.influence[0].deviceIds[0]}" for f in request.faults]})
+            return "sent"
+        if reply.code == 409:
+            self.counters["rejected"] += 1
+            log.error("clusterd rejected a request that passed its own rules here (a bug); skipped",
+                      extra={"info": reply.info, "request": MessageToDict(request)})
+            return "rejected"
+        self.counters["rate_limited" if reply.code == 410 else "error"] += 1
+        self._log_transition("clusterd refused the request; retrying", code=reply.code, details=reply.info)
+        return "refused"
+
+    _last_problem = ""
+
+    def _log_transition(self, message: str, **fields) -> None:
+        """Log when delivery starts failing (or fails differently) and when it works again, not every retry."""
+        key = f"{message} {fields.get('code', '')}"
+        if key == self._last_problem:
+            return
+        if message:
+            log.warning(message, extra={**fields, "pending": self.pending})
+        elif self._last_problem:
+            log.info("clusterd reachable again")
+        self._last_problem = key if message else ""

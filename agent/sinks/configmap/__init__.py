@@ -1,0 +1,1 @@
+"""The device-info ConfigMap sink, written like the Ascend Device Plugin writes it."""

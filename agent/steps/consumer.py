@@ -1,0 +1,336 @@
+"""Step-latency figures per rank, fed by the record tailer; the collector renders them at scrape time.
+
+The tailer hands complete lines of each rank's files; they are parsed (`records`), paired into steps
+(`steps`), judged (`detect`), and summed into per-rank histograms. After each batch the oldest input
+position a rank still needs is handed back to the tailer to commit, so a restart reads again from there;
+the steps that re-reading finds a second time are dropped by (process, step number), which is kept
+in `<state_dir>/steps.json` with the detector's baselines (a restart goes on judging a rank whose
+training process did not restart, instead of learning it for 70 steps). Bad input is counted by reason and logged at most once a minute per
+file and reason; it never stops the rest.
+
+Every `upkeep_s`, whether records arrive or not, ranks whose directory went or that stopped writing
+leave the scrape after their grace, and the state is saved when it changed. Memory is bounded per
+node, not only per rank: the entries kept for ranges and steps still to complete (per rank at most
+~48,000, see `steps`) are at most MAX_HELD over all ranks; above it the ranks holding the most drop
+their oldest, counted as `node_limit`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent.common.fsutil import atomic_write, read_state
+from agent.steps.detect import SlowRankDetector
+from agent.steps.records import RankKey, parse
+from agent.steps.pairing import CHECKPOINT, DATALOADER, FORWARD, RankAssembler, StepSample
+from agent.steps.tail import Position
+from agent.lifecycle import Tasks
+
+log = logging.getLogger(__name__)
+
+STEP_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12.5, 15, 20, 25, 30, 45, 60, 90,
+                120, 180, 300, 600)
+PHASE_BUCKETS = {
+    FORWARD: (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+    DATALOADER: (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+    CHECKPOINT: (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600),
+}
+LOG_EVERY_S = 60.0
+GONE_GRACE_S = 60.0  # a rank whose directory was removed stays in the scrape this long
+IDLE_GRACE_S = 600.0  # a rank with no new record for this long is dropped (its job ended)
+UPKEEP_S = 5.0  # expiry and saving of the state
+MAX_HELD = 131_072  # entries held for unfinished ranges and steps, over all ranks: ~46 MiB at worst (measured)
+MAX_PROCESSES = 16  # per rank, the processes whose newest step is kept (a rank runs one at a time)
+LOGGED_MAX = 4096  # (rank, file, reason) whose last log time is kept
+
+
+@dataclass
+class Histogram:
+    bounds: tuple
+    counts: list = field(default_factory=list)  # per bucket, not cumulative
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.bounds)
+
+    def observe(self, value: float) -> None:
+        for index, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[index] += 1
+                break
+        self.total += value
+        self.count += 1
+
+    def buckets(self) -> list[tuple[str, int]]:
+        """Cumulative, with +Inf, as the exposition format wants them."""
+        out, running = [], 0
+        for bound, count in zip(self.bounds, self.counts):
+            running += count
+            out.append((_bound_text(bound), running))
+        out.append(("+Inf", self.count))
+        return out
+
+
+def _bound_text(bound: float) -> str:
+    return repr(float(bound))
+
+
+@dataclass
+class RankSeries:
+    """Everything the scrape shows of one rank."""
+
+    key: RankKey
+    assembler: RankAssembler = field(default_factory=RankAssembler)
+    stage: str = ""
+    steps: dict = field(default_factory=dict)  # clock -> Histogram
+    phases: dict = field(default_factory=dict)  # phase -> Histogram
+    steps_total: int = 0
+    last_duration_s: float | None = None
+    last_completed_s: float | None = None
+    records: int = 0
+    last_steps: dict = field(default_factory=dict)  # pid -> the newest step number counted
+    end: tuple | None = None  # (file, offset) just after the last line read
+    last_input_at: float = 0.0
+    gone_at: float | None = None
+    held: int = 0  # assembler.held at the end of the last batch
+
+
+class StepMetrics:
+    """The tailer's consumer (see `agent.steps.tail.TailConsumer`) and the metrics' source."""
+
+    name = "step-metrics"
+
+    def __init__(self, state_file: Path, *, detector: SlowRankDetector | None = None,
+                 clock: Callable[[], float] = time.time, job_labels: Callable[[str], tuple[str, str]] | None = None,
+                 upkeep_s: float = UPKEEP_S, max_held: int = MAX_HELD):
+        self.detector = detector or SlowRankDetector()
+        self.ranks: dict[RankKey, RankSeries] = {}
+        self.parse_errors: Counter = Counter()  # reason -> count
+        self.tasks = Tasks(self.name)
+        self._state_file = state_file
+        self._clock = clock
+        self._job_labels = job_labels or (lambda job_id: ("", ""))
+        self._upkeep_s = upkeep_s
+        self._max_held = max_held
+        self._held = 0  # sum of the ranks' `held`
+        self._dirty: set[RankKey] = set()
+        self._logged: OrderedDict[tuple, float] = OrderedDict()  # (job, rank, file, reason) -> when last logged
+        self._unsaved = False
+        # job/rank -> (the newest step of each process, the detector's baselines) of the last run
+        self._restored: dict[str, tuple[dict, dict | None]] = read_state(
+            state_file, "step state", _parse_state, clock) or {}
+
+    async def start(self) -> None:
+        self.tasks.start("upkeep", self._upkeep)  # fed by the tailer; this only keeps time
+
+    async def stop(self) -> None:
+        await self.tasks.stop()
+        self.save()
+
+    def readiness(self) -> tuple[bool, str]:
+        return True, ""
+
+    # ---- TailConsumer ---------------------------------------------------------------------------
+
+    def on_lines(self, key, file: str, offset: int, data: bytes) -> None:
+        series = self._series(key)
+        parsed = parse(data)
+        series.records += len(parsed.markers) + parsed.other_kinds
+        series.last_input_at = self._clock()
+        series.gone_at = None
+        for reason, line in parsed.errors:
+            self._bad(key, reason, f"{file}: {line[:120]!r}", file)
+        series.assembler.feed(parsed.markers, (file, offset))
+        series.end = (file, offset + len(data))
+        self._dirty.add(series.key)
+
+    def on_group(self, key, group: dict) -> None:
+        series = self._series(key)
+        stage = pipeline_stage(group, series.key.rank)
+        if stage is None:
+            self._bad(key, "parallel_group", "no pipeline group listing this rank", "parallel_group.json")
+            return
+        series.stage = stage
+
+    def on_rank_gone(self, key) -> None:
+        series = self.ranks.get(key)
+        if series is not None:
+            series.gone_at = self._clock()
+
+    def on_bad_input(self, key, reason: str, detail: str) -> None:
+        self._bad(key, reason, detail, "" if key else detail)  # without a rank: a directory, each reported once
+
+    def on_batch_end(self) -> dict[RankKey, Position]:
+        """The end of a batch of lines: the position each rank read in it still needs (the tailer commits them)."""
+        commits = {}
+        for rank_key in self._dirty:
+            series = self.ranks.get(rank_key)
+            if series is None:
+                continue
+            for sample in series.assembler.finalize():
+                self._count(series, sample)
+            for reason, count in series.assembler.errors.items():
+                if count:
+                    self._bad(rank_key, reason, f"{count} since the last report", series.end[0] if series.end else "",
+                              count)
+            series.assembler.errors.clear()
+            needed = series.assembler.oldest_needed() or series.end
+            if needed is not None:
+                commits[rank_key] = Position(*needed)
+            series.assembler.compact()
+            self._held += series.assembler.held - series.held
+            series.held = series.assembler.held
+        self._dirty.clear()
+        if self._held > self._max_held:
+            self._shed()
+        return commits
+
+    async def _upkeep(self) -> None:
+        while True:
+            await asyncio.sleep(self._upkeep_s)
+            self.upkeep()
+
+    def upkeep(self) -> None:
+        """Drop the ranks past their grace and save the state if it changed."""
+        self._expire(self._clock())
+        if self._unsaved:
+            self.save()
+
+    # ---- state ----------------------------------------------------------------------------------
+
+    def _series(self, key) -> RankSeries:
+        series = self.ranks.get(key)
+        if series is None:
+            series = self.ranks[key] = RankSeries(key, last_input_at=self._clock())
+            series.last_steps, baseline = self._restored.pop(f"{key.job_id}/{key.rank}", ({}, None))
+            if baseline is not None:
+                self.detector.restore(key, baseline)
+        return series
+
+    def _count(self, series: RankSeries, sample: StepSample) -> None:
+        if sample.step <= series.last_steps.get(sample.pid, -1):
+            return  # read again after a restart: counted already
+        series.last_steps.pop(sample.pid, None)  # the newest process last: the oldest is the one forgotten
+        series.last_steps[sample.pid] = sample.step
+        if len(series.last_steps) > MAX_PROCESSES:
+            del series.last_steps[next(iter(series.last_steps))]
+        self._unsaved = True
+        series.steps_total += 1
+        series.steps.setdefault(sample.clock, Histogram(STEP_BUCKETS)).observe(sample.duration_s)
+        series.last_duration_s = sample.duration_s
+        series.last_completed_s = max(series.last_completed_s or 0.0, sample.wall_end_s)
+        for phase, value in ((FORWARD, sample.forward_s), (DATALOADER, sample.dataloader_s or None),
+                             (CHECKPOINT, sample.checkpoint_s or None)):
+            if value is not None:
+                series.phases.setdefault(phase, Histogram(PHASE_BUCKETS[phase])).observe(value)
+        self.detector.observe(series.key, series.stage, sample)
+
+    def _expire(self, now: float) -> None:
+        for key, series in list(self.ranks.items()):
+            gone = series.gone_at is not None and now - series.gone_at > GONE_GRACE_S
+            if gone or now - series.last_input_at > IDLE_GRACE_S:
+                del self.ranks[key]
+                self._held -= series.held
+                self._unsaved = True  # and from the state
+                self.detector.forget(key)
+                log.info("training rank dropped from the metrics", extra={
+                    "job_id": key.job_id, "rank": key.rank, "why": "directory removed" if gone else "no records"})
+
+    def _shed(self) -> None:
+        """Over the node-wide bound: every rank keeps what it holds up to one level, set so the sum
+        fits; those holding more drop their oldest."""
+        ranks = sorted(self.ranks.values(), key=lambda series: series.held)
+        left = level = self._max_held
+        for index, series in enumerate(ranks):
+            level = left // (len(ranks) - index)
+            if series.held > level:
+                break
+            left -= series.held
+        dropped = 0
+        for series in ranks:
+            dropped += series.assembler.shed(level)
+            self._held += series.assembler.held - series.held
+            series.held = series.assembler.held
+        self._bad(None, "node_limit", f"{dropped} marker entries of the ranks holding the most dropped, to keep "
+                  f"{self._max_held} over {len(ranks)} ranks", "", dropped)
+
+    def _bad(self, key, reason: str, detail: str, file: str, count: int = 1) -> None:
+        self.parse_errors[reason] += count
+        where = (getattr(key, "job_id", None), getattr(key, "rank", None), file, reason)
+        now = self._clock()
+        if now - self._logged.get(where, -LOG_EVERY_S) < LOG_EVERY_S:
+            return
+        while self._logged and now - next(iter(self._logged.values())) >= LOG_EVERY_S:
+            self._logged.popitem(last=False)  # logged over a minute ago: holds no log back
+        if len(self._logged) >= LOGGED_MAX:
+            return  # that many distinct problems within a minute: counted only
+        self._logged.pop(where, None)
+        self._logged[where] = now  # in the order logged
+        log.warning("bad profiling input skipped", extra={
+            "job_id": where[0], "rank": where[1], "file": file, "reason": reason, "detail": detail})
+
+    def save(self) -> None:
+        ranks = {f"{k.job_id}/{k.rank}": {str(pid): step for pid, step in s.last_steps.items()}
+                 for k, s in self.ranks.items()}
+        baselines = {f"{k.job_id}/{k.rank}": saved for k in self.ranks
+                     if (saved := self.detector.snapshot(k)) is not None}
+        try:
+            atomic_write(self._state_file, json.dumps({"version": 1, "ranks": ranks, "baselines": baselines}).encode())
+        except OSError as exc:
+            log.error("cannot save the step state", extra={"path": str(self._state_file), "error": str(exc)})
+            return
+        self._unsaved = False
+
+    def job_labels(self, job_id: str) -> tuple[str, str]:
+        return self._job_labels(job_id)
+
+
+def _parse_state(doc: dict) -> dict[str, tuple[dict, dict | None]]:
+    """`steps.json` as `save` writes it, checked: anything else raises (and the file is moved aside)."""
+    if doc.get("version") != 1:
+        raise ValueError("not a version 1 step state")
+    baselines = {name: _baseline(saved) for name, saved in doc.get("baselines", {}).items()}
+    return {name: ({int(pid): _int(step) for pid, step in steps.items()}, baselines.get(name))
+            for name, steps in doc["ranks"].items()}
+
+
+def _baseline(saved: dict) -> dict:
+    numbers = {k: (None if saved[k] is None else _number(saved[k]))
+               for k in ("baseline", "sigma", "compute_baseline", "rest_baseline")}
+    if numbers["baseline"] is None or numbers["sigma"] is None:
+        raise ValueError("a baseline without its value")
+    return {"pid": _int(saved["pid"]), **numbers}
+
+
+def _int(value) -> int:
+    if type(value) is not int:
+        raise TypeError(f"not an integer: {value!r:.40}")
+    return value
+
+
+def _number(value) -> float:
+    if type(value) not in (int, float):
+        raise TypeError(f"not a number: {value!r:.40}")
+    return float(value)  # strict JSON has no NaN or infinity; an int too large for a float raises
+
+
+def pipeline_stage(group: dict, rank: int) -> str | None:
+    """The rank's index in its `pp` group of `parallel_group.json` (TaskD's dump format); "" when the
+    file lists no pipeline group (no pipeline parallelism: one stage); None when it is malformed or
+    no pipeline group lists the rank."""
+    if not isinstance(group, dict):
+        return None
+    pipelines = [e for e in group.values() if isinstance(e, dict) and e.get("group_name") == "pp"]
+    for entry in pipelines:
+        members = entry.get("global_ranks")
+        if isinstance(members, list) and rank in members:
+            return str(members.index(rank))
+    return None if pipelines else ""
