@@ -1,4 +1,4 @@
-"""Shared fixtures: where the reference data lives, and the fake DCMI driver built from C."""
+"""Shared fixtures: the device plugin's rule files, and real file systems and cgroups a test can break."""
 
 from __future__ import annotations
 
@@ -12,16 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.tables import write_rule_files
+
 REPO = Path(__file__).resolve().parent.parent
-REFERENCE = Path(os.environ.get("NPU_AGENT_REFERENCE_DIR", REPO.parent / "shared" / "reference"))
 
 
 @pytest.fixture(scope="session")
-def reference_dir() -> Path:
-    """The peers' real data files (faultCode.json, faultCustomization.json) that sit beside the repository."""
-    if not (REFERENCE / "faultCode.json").is_file():
-        pytest.fail(f"reference data not found at {REFERENCE}; set NPU_AGENT_REFERENCE_DIR")
-    return REFERENCE
+def rule_dir(tmp_path_factory) -> Path:
+    """A directory holding faultCode.json and faultCustomization.json in the device plugin's formats."""
+    return write_rule_files(tmp_path_factory.mktemp("rules"))
 
 
 class SmallFs:

@@ -97,9 +97,9 @@ def test_a_driver_that_answers_late_every_time_is_logged_once_per_device(start_a
     agent.wait_for_log("device read works again", timeout=DEADLINE + 5, device=phy(0))
 
 
-def test_real_tables_escalate_and_the_escalation_survives_a_restart(start_agent, reference_dir):
-    faults = {"fault_code_file": str(reference_dir / "faultCode.json"),
-              "customization_file": str(reference_dir / "faultCustomization.json")}
+def test_the_device_plugins_tables_escalate_and_the_escalation_survives_a_restart(start_agent, rule_dir):
+    faults = {"fault_code_file": str(rule_dir / "faultCode.json"),
+              "customization_file": str(rule_dir / "faultCustomization.json")}
     agent, fake = start_agent(devices={"poll_interval_seconds": 1}, faults=faults)
     for _ in range(3):  # 80E18005: 3 times in 24 h -> ManuallySeparateNPU
         fake.occur(4, 0x80E18005)

@@ -10,8 +10,34 @@ from agent.model import ActiveCode, DeviceState, Health, Level
 from agent.common.gojson import check_code, go_map, marshal
 
 
-def test_check_code_of_the_published_example_matches_the_device_plugins(reference_dir):
-    example = json.loads((reference_dir / "deviceinfo-examples.json").read_text())["examples"][0]["DeviceInfoCfg"]
+# The DeviceInfoCfg value of a node with two faulty NPUs, as the MindCluster documentation publishes
+# it: its CheckCode was computed by the Ascend Device Plugin's Go code, so it checks the Go-compatible
+# JSON and hash independently.
+PUBLISHED_DEVICE_INFO = (
+    r'{"DeviceInfo":{"DeviceList":{"huawei.com/Ascend910":"Ascend910-0,Ascend910-1,Ascend910-2,'
+    r'Ascend910-3,Ascend910-5,Ascend910-6,Ascend910-7",'
+    r'"huawei.com/Ascend910-Fault":"[{\"fault_type\":\"CardNetworkUnhealthy\",'
+    r'\"npu_name\":\"Ascend910-0\",\"large_model_fault_level\":\"PreSeparateNPU\",'
+    r'\"fault_level\":\"PreSeparateNPU\",\"fault_handling\":\"PreSeparateNPU\",'
+    r'\"fault_code\":\"81078603\",'
+    r'\"fault_time_and_level_map\":{\"81078603\":{\"fault_time\":1744168468259,'
+    r'\"fault_level\":\"PreSeparateNPU\"}}},{\"fault_type\":\"CardUnhealthy\",'
+    r'\"npu_name\":\"Ascend910-4\",\"large_model_fault_level\":\"SeparateNPU\",'
+    r'\"fault_level\":\"SeparateNPU\",\"fault_handling\":\"SeparateNPU\",\"fault_code\":\"A8028801,'
+    r'A4028801,80E18402,80E18401\",'
+    r'\"fault_time_and_level_map\":{\"80E18401\":{\"fault_time\":1744167455784,'
+    r'\"fault_level\":\"NotHandleFault\"},\"80E18402\":{\"fault_time\":1744167455784,'
+    r'\"fault_level\":\"SeparateNPU\"},\"A4028801\":{\"fault_time\":1744167455784,'
+    r'\"fault_level\":\"NotHandleFault\"},\"A8028801\":{\"fault_time\":1744167455784,'
+    r'\"fault_level\":\"SeparateNPU\"}}}]","huawei.com/Ascend910-NetworkUnhealthy":"Ascend910-0",'
+    r'"huawei.com/Ascend910-Recovering":"","huawei.com/Ascend910-Unhealthy":"Ascend910-4"},'
+    r'"UpdateTime":1744182144},"SuperPodID":-2,"ServerIndex":-2,'
+    r'"CheckCode":"a550811fdfafb5717555526816af2ca4ac6c3e102f5907574048578e0c8fcc73"}'
+)
+
+
+def test_check_code_of_the_published_example_matches_the_device_plugins():
+    example = PUBLISHED_DEVICE_INFO
     parsed = json.loads(example)
     inner = parsed["DeviceInfo"]
     rebuilt = {"DeviceList": go_map(inner["DeviceList"]), "UpdateTime": inner["UpdateTime"]}

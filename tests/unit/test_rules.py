@@ -1,4 +1,4 @@
-"""Rule files: the real tables of the device plugin, and clear errors for bad ones."""
+"""Rule files: tables in the device plugin's formats, and clear errors for bad ones."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from agent.faults.rules.customization import NEVER_RELEASE_S, load_customization
 from agent.model import Level
 
 
-def test_the_device_plugins_fault_code_table_loads(reference_dir):
-    table = load_fault_code_table(str(reference_dir / "faultCode.json"))
-    assert len(table) == 802  # 804 entries, 802 distinct codes
+def test_the_device_plugins_fault_code_table_loads(rule_dir):
+    table = load_fault_code_table(str(rule_dir / "faultCode.json"))
+    assert len(table) == 16  # 17 entries, 16 distinct codes
     assert table.lookup(0xA2301001) is Level.SeparateNPU  # in RestartBusiness and Separate
     assert table.lookup(0x80E18005) is Level.RestartNPU
     assert table.lookup(0x80E18402) is Level.SeparateNPU
@@ -27,13 +27,14 @@ def test_the_device_plugins_fault_code_table_loads(reference_dir):
     assert any("A2301001" in w for w in table.warnings)
 
 
-def test_the_device_plugins_customization_loads(reference_dir):
-    rules = load_customization(str(reference_dir / "faultCustomization.json"))
+def test_the_device_plugins_customization_loads(rule_dir):
+    rules = load_customization(str(rule_dir / "faultCustomization.json"))
     assert rules.frequency[0x80E18005].times == 3
     assert rules.frequency[0x80E18005].level is Level.ManuallySeparateNPU
     assert rules.frequency[0x80E18005].release_s == NEVER_RELEASE_S
     assert rules.frequency[0x81078603].release_s == 172800
-    assert len(rules.frequency) == 43
+    assert rules.frequency[0x80E18008].times == 2
+    assert len(rules.frequency) == 5
     assert rules.duration[0x81078603].fault_timeout_s == 20
     assert rules.grace_tolerance["WaitDeviceResetTime"] == 150
 
@@ -107,15 +108,28 @@ def test_the_first_rule_for_a_code_wins():
     assert any("repeats 80E18005" in w for w in rules.warnings)
 
 
-def test_the_shipped_clusterd_customization_keeps_the_defaults_and_adds_the_agents_codes(reference_dir):
+# ClusterD's shipped public-fault configuration (publicFaultConfiguration.json): the codes it accepts
+# per level and the resources allowed to send them.
+CLUSTERD_DEFAULT_CODES = {
+    "NotHandleFaultCodes": {"200001006", "200001010", "200001011", "200001012", "100001011"},
+    "SubHealthFaultCodes": {"010001001", "010001002", "010001004", "110001010", "110001020", "110001021",
+                            "210001007", "210001008", "210001009", "310001005"},
+    "SeparateNPUCodes": {"020001001", "020001003", "020001004", "120001001", "120001002", "120001003",
+                         "220001001", "220001002", "220001003", "220001004", "220001005", "220001006",
+                         "220001007"},
+    "PreSeparateNPUCodes": {"110001022", "110001023"},
+}
+CLUSTERD_DEFAULT_RESOURCES = {"CCAE", "fd-online", "pingmesh", "Netmind", "dpcStorage", "dtfsStorage"}
+
+
+def test_the_shipped_clusterd_customization_keeps_the_defaults_and_adds_the_agents_codes():
     from agent.config import config_from_dict
 
     shipped = json.loads((REPO / "helm/npu-node-agent/files/clusterd/publicCustomization.json").read_text())
-    defaults = json.loads((reference_dir / "publicFaultConfiguration.json").read_text())
     # ClusterD replaces its whole configuration with this file: every shipped entry must stay.
-    for key, codes in defaults["publicFaultCode"].items():
-        assert set(codes) <= set(shipped["publicFaultCode"][key]), key
-    assert set(defaults["publicFaultResource"]) <= set(shipped["publicFaultResource"])
+    for key, codes in CLUSTERD_DEFAULT_CODES.items():
+        assert codes <= set(shipped["publicFaultCode"][key]), key
+    assert CLUSTERD_DEFAULT_RESOURCES <= set(shipped["publicFaultResource"])
     config = config_from_dict({})
     assert config.clusterd.resource in shipped["publicFaultResource"]
     listed = {code: key for key, codes in shipped["publicFaultCode"].items() for code in codes}

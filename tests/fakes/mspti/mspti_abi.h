@@ -1,5 +1,5 @@
 /* The parts of the MSPTI ABI (mspti_activity.h / mspti_callback.h / mspti_result.h) that the
- * agent uses, with the layouts measured from the real header (reference/taskd.md section 1.3):
+ * agent uses, with the layouts measured from the real header:
  * the activity structs are packed and 8-byte aligned, so the uint64 fields sit at unaligned offsets. */
 #ifndef FAKE_MSPTI_ABI_H
 #define FAKE_MSPTI_ABI_H
