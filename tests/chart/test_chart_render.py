@@ -199,13 +199,13 @@ DEVICE_INFO = {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create
     (None, (), None, None),                              # kubernetes off: no RBAC at all
     ("minimal", (), None, None),
     (None, ("agent.kubernetes.enabled=true",), [PODS], None),   # step-metric job labels
-    (None, ("agent.kubernetes.enabled=true", "agent.steps.metrics=false"), None, None),
-    (None, ("agent.kubernetes.enabled=true", "agent.steps.metrics=false",
+    (None, ("agent.kubernetes.enabled=true", "agent.profiling.metrics=false"), None, None),
+    (None, ("agent.kubernetes.enabled=true", "agent.profiling.metrics=false",
             "agent.kubernetes.device_info_configmap=true"), None, [DEVICE_INFO]),
     (None, ("agent.kubernetes.enabled=true", "agent.datatrace.enabled=true"), [PODS, CONFIGMAPS], None),
     ("kubernetes-full", (), [PODS, CONFIGMAPS], [DEVICE_INFO]),
     ("taskd-proxy", (), None, None),
-    ("taskd-proxy", ("agent.kubernetes.enabled=true", "agent.steps.metrics=false"), [PODS], None),
+    ("taskd-proxy", ("agent.kubernetes.enabled=true", "agent.profiling.metrics=false"), [PODS], None),
 ])
 def test_rbac_is_what_the_features_use(helm, values, sets, cluster_rules, device_info_rules):
     rendered = helm.render(values, *sets)
