@@ -31,10 +31,10 @@ Run from the repository root:  .venv/bin/python -m bench.step_metrics       # ~2
   the first sample; two more jobs (new job_id each) follow, each with its onset a further third of
   an append period later, so the wait for the append that holds the first slow step is sampled
   (the job's timings are seeded: with equal onsets it would be the same every time). Target
-  (`slownode.md` §9 target 4): p95 <= max(15 s, 6 x step_time) + 7 s (the 7 s is TaskD's flush;
+  (the target of the issue): p95 <= max(15 s, 6 x step_time) + 7 s (the 7 s is TaskD's flush;
   here the flush is 1 s). The detector flags the compute straggler on its third slow step and the
   temporal slowdown on its fourth, so the latency is mostly the wait for the append that holds them.
-  The FD-OL figure (`slownode.md` §5: ~3-4 min from onset to fault report, and never below a 30 %
+  The FD-OL figure (~3-4 min from onset to fault report, and never below a 30 %
   slowdown) is printed as context; it is an estimate from its code, not measured here.
 
 `--records`, `--seconds`, `--jobs`, `--onset-s`, `--idle-s`, `--poll-s` and the `--target-*` options
@@ -67,9 +67,9 @@ from tests.integration.harness import AgentProcess, wait_until
 KIB = 1024
 MIB = 1024 * KIB
 RANKS, STAGES, SLOW_RANK = 16, 4, 5
-FDOL_MINUTES = "3-4"  # slownode.md §5, estimated from FD-OL's code; never for slowdowns < 30 %
-TASKD_FLUSH_S = 5.0  # TaskD appends every ~5 s (taskd.md §1.5)
-TASKD_FLUSH_BUDGET_S = 7.0  # the 7 s of slownode.md §9 target 4
+FDOL_MINUTES = "3-4"  # estimated from FD-OL's code; never for slowdowns < 30 %
+TASKD_FLUSH_S = 5.0  # TaskD appends every ~5 s
+TASKD_FLUSH_BUDGET_S = 7.0  # the target's allowance for TaskD's flush
 
 
 # ---- statistics ---------------------------------------------------------------------------------
@@ -576,7 +576,7 @@ def main(argv=None) -> int:
             print(f"  {d.job_id}: " + "; ".join(parts))
             for alarm in d.false_alarms:
                 print(f"    unexpected: {alarm}")
-        print(f"  context, not measured: FD-OL reports ~{FDOL_MINUTES} min after onset (slownode.md §5) and never "
+        print(f"  context, not measured: FD-OL reports ~{FDOL_MINUTES} min after onset and never "
               f"a slowdown below 30 % -- this 15 % one it would not report at all")
         warnings = [r for r in list(agent.logs) if r.get("level") in ("warning", "error", "critical")]
         distinct = sorted({r.get("msg", "") for r in warnings})

@@ -2,7 +2,7 @@
 
 For every job with a running pod on this node, the directory `<namespace>.data-trace-<job>` under
 the datatrace root, holding `profilingSwitch` = the bytes of the `profilingSwitch` key of ConfigMap
-`<namespace>/data-trace-<job>` (`clusterd.md` §6.4, §8.C). Names that would become paths are
+`<namespace>/data-trace-<job>`. Names that would become paths are
 checked here, so nothing that is not a valid Kubernetes name ever reaches the file system.
 """
 

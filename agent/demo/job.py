@@ -1,7 +1,7 @@
 """The demo's training job: ranks writing TaskD-format profiling records in real time.
 
 It plays `SyntheticJob` (16 ranks in 4 pipeline stages by default) against the wall clock and
-writes what TaskD's worker would (`taskd.md` §1.5–1.7): per step a `step N` range on a stream
+writes what TaskD's worker would: per step a `step N` range on a stream
 (host and device records), two `forward` ranges on the stream and a host `dataloader` range, one
 compact JSON object per line, appended to `<root>/<job>/<rank>/<10-digit unix seconds>` every
 `flush_s`, a new file every `rotate_s`, and each rank's `parallel_group.json`. From `slow_after_s`

@@ -1,7 +1,7 @@
 """Which training job a pod belongs to, from this node's pods (a subscriber of the shared pod watch).
 
 Two users: the step metrics name a profiling directory's job (the directory is named by
-`MINDX_TASK_ID`, which the Ascend operator sets to the job's UID: `clusterd.md`, `taskd.md` §4),
+`MINDX_TASK_ID`, which the Ascend operator sets to the job's UID),
 and the TaskD proxy checks that a connecting process's pod belongs to the job its environment
 claims. A pod names its job by the env var when it is set literally, else by its controller (the
 Volcano or Ascend job that owns it); the job's name comes from the job labels the device plugin

@@ -1,4 +1,4 @@
-"""TaskD-compatible in-process profiling for training containers (CONTRACT §6).
+"""TaskD-compatible in-process profiling for training containers.
 
     from agent.worker import init_taskd_worker, start_taskd_worker
     init_taskd_worker(rank_id)      # loads libmspti.so; False (one log line) when it cannot

@@ -62,7 +62,7 @@ class ActivityKernel(ctypes.Structure):
 
 
 # The header declares the structs packed and 8-byte aligned, so 64-bit fields sit at unaligned
-# offsets and each size is rounded up to 8 (the `_tail` fields); checked against `taskd.md` §1.3.
+# offsets and each size is rounded up to 8 (the `_tail` fields); checked against the MSPTI headers' layout.
 assert [getattr(ActivityMarker, f).offset for f in ("kind", "flag", "sourceKind", "timestamp", "id", "objectId",
                                                       "name", "domain")] == [0, 4, 8, 12, 20, 28, 36, 44]
 assert ctypes.sizeof(ActivityMarker) == 56
@@ -211,7 +211,7 @@ class Collector:
     # -- API ---------------------------------------------------------------------------------------
 
     def set_switch(self, default_on: bool, comm_on: bool) -> tuple[int, int]:
-        """`taskd.md` §2.4: the default domain (MARKER kind, subscriber slot), then the comm domain.
+        """As TaskD enables them: the default domain (MARKER kind, subscriber slot), then the comm domain.
 
         Returns `(default_result, comm_result)`, each SWITCH_OFF, SWITCH_ON or SWITCH_EXCEPTION (an
         MSPTI call of that domain did not return success), the per-domain results TaskD reports."""

@@ -1,6 +1,6 @@
 """MSPTI activity records -> TaskD's on-disk JSON lines, byte for byte (pure).
 
-TaskD prints each record with Go's `json.Marshal` of a struct without tags (`taskd.md` §1.5): the
+TaskD prints each record with Go's `json.Marshal` of a struct without tags: the
 keys are the Go field names in declaration order, compact, one object per line. Strings come from C
 (`const char *`, raw bytes) and are escaped exactly as Go 1.22+ `encoding/json` does with HTML
 escaping on:

@@ -1,4 +1,4 @@
-"""The profilingSwitch file -> (default_on, comm_on), with TaskD's rules (`taskd.md` §2.2) (pure).
+"""The profilingSwitch file -> (default_on, comm_on), with TaskD's rules (pure).
 
 TaskD reads at most 1 MiB and `json.Unmarshal`s it into
 `ProfilingSwitch{CommunicationOperator, Step, SaveCheckpoint, FP, DataLoader string}`:
