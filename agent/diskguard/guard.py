@@ -9,11 +9,11 @@ The tree is `<root>/<job>/<rank>/<file>`; record files are named by exactly 10 A
 Unix second the rank started the file) and a rank appends to its newest one. Usage counts every
 regular file anywhere under the root; symlinks are never followed, counted or deleted.
 
-Events are coalesced while they wait: per (directory, name) only what matters is kept (is it gone,
-is it a new directory, or must it be `lstat`ed), so a batch costs one `lstat` per file touched,
-however many writes it saw, and the backlog is bounded by the files touched, not the events.
+The following is an agent.fstree.tree.TreeFollower the guard owns (it implements TreeEvents):
+events are coalesced while they wait (agent.fstree.events), so a batch costs one `lstat` per file
+touched, however many writes it saw.
 
-Which files age is decided by `disk_rules.choose_victims` (pure). A pass deletes them oldest first
+Which files age is decided by `agent.diskguard.rules.choose_victims` (pure). A pass deletes them oldest first
 in chunks, updating usage after each: it is back under the limit after the first chunk or so, and
 finishes the round for fairness. A write that crosses the limit is seen after the batch window
 (0.1 s), so usage is back under it about that long after.
@@ -27,22 +27,24 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from inotify_simple import flags
 
 from agent.diskguard.rules import FileEntry, UsageLedger, choose_victims
-from agent.fstree.paths import is_record_name
-from agent.fstree.tree import (BATCH_WINDOW_S, DIR_FLAGS, DIR_GONE, DIR_NEW, LAST_GONE, ROOT_POLL_S, VANISHED,
-                                  WATCH_MASK, Problem, TreeFollower, Walk, join, open_dir, open_under)
+from agent.fstree.events import DIR_NEW, LAST_GONE, WATCH_MASK, Change
+from agent.fstree.paths import is_record_name, join
+from agent.fstree.tree import BATCH_WINDOW_S, ROOT_POLL_S, Executor, TreeFollower
+from agent.fstree.walk import DIR_FLAGS, VANISHED, Problem, Walk, open_dir, open_under
+from agent.lifecycle import Tasks
 
 log = logging.getLogger(__name__)
 
 STUCK_RETRY_S = 30.0  # over the limit with nothing deletable: look again this often (or on a new record file)
 # Files deleted per trip to the worker thread; usage is updated after each. Our own deletions raise
-# events too: a pass of more than tree.BACKLOG_MAX files ends in a rescan.
+# events too: a pass of more than agent.fstree.tree.BACKLOG_MAX files ends in a rescan.
 AGING_CHUNK = 500
 
 
@@ -66,21 +68,24 @@ class _Deleted:
     problems: list[Problem] = field(default_factory=list)
 
 
-class DiskGuard(TreeFollower):
+class DiskGuard:
     """Measures the profiling tree with inotify and ages record files when it outgrows `limit_bytes`."""
 
     name = "disk-guard"
-    title = "profiling disk guard"
-    label = "profiling tree"
-    refused = "nothing is followed, measured or aged"
-    stop_wait_s = 1.0
 
     def __init__(self, root: Path, limit_bytes: int, *, clock: Callable[[], float] = time.monotonic,
-                 root_poll_s: float = ROOT_POLL_S, batch_window_s: float = BATCH_WINDOW_S):
-        # ATTRIB too: `touch` reorders aging.
-        super().__init__(root, log=log, mask=WATCH_MASK | flags.ATTRIB, clock=clock, root_poll_s=root_poll_s,
-                         batch_window_s=batch_window_s)
+                 root_poll_s: float = ROOT_POLL_S, batch_window_s: float = BATCH_WINDOW_S,
+                 executor: Executor | None = None):
         self.limit_bytes = limit_bytes
+        self.tasks = Tasks(self.name)
+        # ATTRIB too: `touch` reorders aging.
+        self._tree = TreeFollower(root, self, tasks=self.tasks, log=log, title="profiling disk guard",
+                                  label="profiling tree", refused="nothing is followed, measured or aged",
+                                  mask=WATCH_MASK | flags.ATTRIB, root_poll_s=root_poll_s,
+                                  batch_window_s=batch_window_s, stop_wait_s=1.0, executor=executor)
+        self.root = self._tree.root
+        self._root = str(self.root)
+        self._clock = clock
         self._ledger = UsageLedger()
         self._stuck_at: float | None = None  # when a pass found nothing deletable while over the limit
         self._files_aged = 0
@@ -112,69 +117,82 @@ class DiskGuard(TreeFollower):
     @property
     def scans(self) -> int:
         """Full walks of the tree: start-up, after an event overflow, when the root (re)appears."""
-        return self._scans
+        return self._tree.scans
+
+    @property
+    def overflows(self) -> int:
+        return self._tree.overflows
+
+    @property
+    def unwatched(self) -> int:
+        return self._tree.unwatched
+
+    @property
+    def errors(self) -> int:
+        return self._tree.errors
+
+    @property
+    def state(self) -> str:
+        return self._tree.state
 
     def tracked(self) -> dict[str, int]:
         """Path (relative to the root) -> size of every file counted."""
         return self._ledger.sizes()
 
     async def start(self) -> None:
-        await super().start()
+        await self._tree.start()
         if self.tasks.running and self.limit_bytes <= 0:
             log.info("profiling disk limit is 0: usage is measured, nothing is aged", extra={"root": self._root})
 
-    # ---- the task -------------------------------------------------------------------------------
+    async def stop(self) -> None:
+        await self._tree.stop()
 
-    def _recover(self) -> None:
-        self._forget_all()  # from a fresh scan
+    def readiness(self) -> tuple[bool, str]:
+        return self._tree.readiness()
 
-    async def _rescan(self) -> bool:
+    # ---- following the tree (agent.fstree.tree.TreeEvents) --------------------------------------
+
+    def failed(self) -> None:
+        self._tree.forget("")  # from a fresh scan
+
+    async def catch_up(self) -> bool:
+        return False  # a batch is done when it is applied
+
+    async def rescan(self, initial: bool) -> bool:
         """Walk the whole tree and rebuild the ledger and the watches; False if the root was not there."""
         started = self._clock()
-        walk = await self._scan()
+        walk = await self._tree.scan(_Walk())
         self._stuck_at = None
         if walk is None:
             return False
         self._ledger = UsageLedger()
         for path, (size, mtime) in walk.files.items():
             self._ledger.set(path, size, mtime)
-        self._state = "watching"
         log.info("profiling tree scanned", extra={
             "root": self._root, "files": len(self._ledger), "usage_bytes": self._ledger.total,
-            "limit_bytes": self.limit_bytes, "directories": len(self._watches),
+            "limit_bytes": self.limit_bytes, "directories": self._tree.watched,
             "took_ms": round((self._clock() - started) * 1e3, 1)})
         await self._age_while_over()
         return True
 
-    def _forget_all(self) -> None:
-        super()._forget_all()
-        self._ledger = UsageLedger()
-
-    def _forget_dir(self, directory: str) -> None:
+    def gone(self, directory: str) -> None:
         self._ledger.remove_tree(directory)
-        super()._forget_dir(directory)
 
-    async def _apply(self, pending: dict[tuple[int, str], int]) -> bool:
-        """Apply one batch, then age what it brought over the limit; False: the root itself went away."""
+    async def apply(self, changes: Iterator[Change]) -> None:
+        """Apply one batch, then age what it brought over the limit."""
         touched: list[str] = []  # files to lstat, each once per batch
         new_dirs: list[str] = []
-
-        def on_name(directory: str, name: str, what: int) -> None:
+        for directory, name, what in changes:
             path = join(directory, name)
-            if what & DIR_GONE:
-                self._forget_dir(path)
             if what & LAST_GONE:
                 self._ledger.remove(path)  # gone: no need to look
             elif what & DIR_NEW:
                 new_dirs.append(path)
             else:
                 touched.append(path)
-
-        if not self._dispatch(pending, on_name):
-            return False
         if touched or new_dirs:
-            refresh = await self._in_thread(self._refresh, touched, new_dirs)
-            self._note(refresh.problems)
+            refresh = await self._tree.run(self._refresh, touched, new_dirs)
+            self._tree.note(refresh.problems)
             for path, found in refresh.stats.items():
                 if found is None:
                     self._ledger.remove(path)
@@ -183,13 +201,12 @@ class DiskGuard(TreeFollower):
             # What was known there goes (a directory moved over another one, or over a file).
             self._ledger.remove_trees(directory for directory, _ in refresh.walks)
             for _, walk in refresh.walks:
-                self._note(walk.problems)
-                self._watches.update(walk.watches)
+                self._tree.note(walk.problems)
+                self._tree.take(walk)
                 for path, (size, mtime) in walk.files.items():
                     self._ledger.set(path, size, mtime)
                     self._unstick(path)
         await self._age_while_over()
-        return True
 
     def _unstick(self, path: str) -> None:
         if self._stuck_at is not None and path.count("/") == 2 and is_record_name(path.rpartition("/")[2]):
@@ -206,12 +223,12 @@ class DiskGuard(TreeFollower):
                 return
             usage_before = self._ledger.total
             # The ledger is only changed by this task, which waits here: the thread may read it.
-            victims = await self._in_thread(self._choose)
+            victims = await self._tree.run(self._choose)
             deleted = freed = vanished = failed = 0
             under_ms = None
             for at in range(0, len(victims), AGING_CHUNK):
-                chunk = await self._quietly(self._delete, victims[at:at + AGING_CHUNK])
-                self._note(chunk.problems)
+                chunk = await self._tree.run(self._delete, victims[at:at + AGING_CHUNK], quiet=True)
+                self._tree.note(chunk.problems)
                 for path in chunk.vanished:
                     self._ledger.remove(path)
                 for path, _ in chunk.deleted:
@@ -239,13 +256,6 @@ class DiskGuard(TreeFollower):
                                 extra={"root": self._root, "usage_bytes": self._ledger.total,
                                        "limit_bytes": self.limit_bytes, "files": len(self._ledger)})
                 self._stuck_at = started
-
-    async def _quietly(self, fn: Callable, *args):
-        """Run a short job in the thread without reading events meanwhile: the events of our own
-        deletions wait in the kernel (a chunk raises far fewer than its queue holds) instead of
-        waking the loop, which would take the GIL from the thread, hundreds of times a chunk."""
-        with self._reader_paused():
-            return await self._in_thread(fn, *args)
 
     def _choose(self) -> list[FileEntry]:
         """The pass's victims, oldest first across ranks: the oldest data goes first (worker thread)."""
@@ -291,12 +301,8 @@ class DiskGuard(TreeFollower):
 
     # ---- walking (worker thread) ----------------------------------------------------------------
 
-    def _walk(self, start: str) -> _Walk:
-        """Watch and list every directory from `start` down, never through a symlink."""
-        return self._walk_tree(start, _Walk(), self._list)
-
     @staticmethod
-    def _list(fd: int, directory: str, out: _Walk) -> list[str]:
+    def list_dir(fd: int, directory: str, out: _Walk) -> list[str]:
         """Count the regular files of a directory; all of its subdirectories are walked."""
         subdirs = []
         with os.scandir(fd) as entries:
@@ -331,7 +337,7 @@ class DiskGuard(TreeFollower):
                 finally:
                     os.close(root_fd)
         for directory in new_dirs:
-            out.walks.append((directory, self._walk(directory)))
+            out.walks.append((directory, self._tree.walk(directory, _Walk())))
         return out
 
     @staticmethod

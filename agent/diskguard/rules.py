@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from agent.fstree.paths import Scopes, is_record_name
+from agent.fstree.paths import PathMap, is_record_name
 
 PARTS = 5  # TaskD's NumberOfParts: a round ages a fifth of each rank's record files
 @dataclass(frozen=True, slots=True)
@@ -34,9 +34,10 @@ class FileEntry:
 
 @dataclass
 class UsageLedger:
-    """Size of each regular file under the root, grouped by directory so a rank is one lookup."""
+    """Size of each regular file under the root, grouped by directory so a rank is one lookup, and a
+    subtree that goes costs what it held."""
 
-    _dirs: dict[str, dict[str, FileEntry]] = field(default_factory=dict, init=False, repr=False)
+    _dirs: PathMap[dict[str, FileEntry]] = field(default_factory=PathMap, init=False, repr=False)
     _total: int = field(default=0, init=False)
     _count: int = field(default=0, init=False)
 
@@ -54,7 +55,9 @@ class UsageLedger:
     def set(self, path: str, size: int, mtime: float) -> bool:
         """Record a file's size and mtime; whether the path is new."""
         directory, _, name = path.rpartition("/")
-        files = self._dirs.setdefault(directory, {})
+        files = self._dirs.get(directory)
+        if files is None:
+            self._dirs[directory] = files = {}
         old = files.get(name)
         files[name] = FileEntry(path, size, mtime)
         self._total += size - (old.size if old else 0)
@@ -77,15 +80,15 @@ class UsageLedger:
         return self.remove_trees([prefix])
 
     def remove_trees(self, prefixes: Iterable[str]) -> int:
-        """`remove_tree` of each of `prefixes`, in one pass over the directories (a batch may walk
-        thousands of them); the number of files dropped."""
-        scopes = Scopes(prefixes)
-        dropped = sum(self.remove(prefix) is not None for prefix in scopes if prefix)
-        for directory in [d for d in self._dirs if scopes.holding(d)]:
-            files = self._dirs.pop(directory)
-            self._total -= sum(e.size for e in files.values())
-            self._count -= len(files)
-            dropped += len(files)
+        """`remove_tree` of each of `prefixes`, at a cost that follows what they held (a batch may
+        walk thousands of directories); the number of files dropped."""
+        prefixes = set(prefixes)
+        dropped = sum(self.remove(prefix) is not None for prefix in prefixes if prefix)
+        for prefix in prefixes:
+            for _, files in self._dirs.pop_tree(prefix):
+                self._total -= sum(e.size for e in files.values())
+                self._count -= len(files)
+                dropped += len(files)
         return dropped
 
     def dirs(self) -> list[str]:

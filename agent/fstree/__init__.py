@@ -1,1 +1,1 @@
-"""Following the profiling tree with inotify: the machinery the disk guard and the step tailer share."""
+"""Following the profiling tree with inotify: the component the disk guard and the step tailer each own."""

@@ -30,7 +30,7 @@ from agent.common.fsutil import atomic_write, read_state
 from agent.steps.detect import SlowRankDetector
 from agent.steps.records import RankKey, parse
 from agent.steps.pairing import CHECKPOINT, DATALOADER, FORWARD, RankAssembler, StepSample
-from agent.steps.tail import Position
+from agent.steps.cursors import Position
 from agent.lifecycle import Tasks
 
 log = logging.getLogger(__name__)

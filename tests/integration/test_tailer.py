@@ -16,8 +16,11 @@ import threading
 import time
 from pathlib import Path
 
+from agent.common.pool import DaemonPool
+from agent.steps.cursors import Position
+from agent.steps.reader import read_ranks
 from agent.steps.records import RankKey
-from agent.steps.tail import Position, ProfilingTailer
+from agent.steps.tail import ProfilingTailer
 
 T0 = 1_700_000_000
 KEY = RankKey("job", 0)
@@ -36,6 +39,25 @@ async def until(predicate, timeout: float, what: str) -> None:
         if time.monotonic() - started > timeout:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(0.005)
+
+
+class HeldReads:
+    """The tailer's executor, on a file system whose record reads hang until `release` is set (and
+    say so on `entered`); walks and the rest run at once."""
+
+    def __init__(self, release: threading.Event, entered: threading.Event | None = None):
+        self.release, self.entered = release, entered or threading.Event()
+        self.pool = DaemonPool(max_threads=1, name="held-reads")
+
+    def submit(self, fn, *args):
+        if fn is read_ranks:
+            return self.pool.submit(self._held, fn, *args)
+        return self.pool.submit(fn, *args)
+
+    def _held(self, fn, *args):
+        self.entered.set()
+        self.release.wait(30)
+        return fn(*args)
 
 
 class Recorder:
@@ -345,10 +367,9 @@ def test_files_aged_before_they_were_read_are_reported_lost(tmp_path):
     gate = threading.Event()
 
     async def scenario():
-        tailer = ProfilingTailer(root, state, rec := Recorder(), batch_window_s=0.02, replay_existing=True)
+        tailer = ProfilingTailer(root, state, rec := Recorder(), batch_window_s=0.02, replay_existing=True,
+                                 executor=HeldReads(gate))
         rec.tailer = tailer
-        real = tailer._read_ranks
-        tailer._read_ranks = lambda jobs: (gate.wait(10), real(jobs))[1]
         await tailer.start()
         try:
             await until(lambda: tailer.readiness()[0], 5, "the scan")
@@ -638,9 +659,8 @@ def test_stop_returns_within_a_second_when_a_read_is_stuck(tmp_path):
 
     async def scenario():
         rec = Recorder()
-        tailer = ProfilingTailer(root, state, rec, batch_window_s=0.02)
+        tailer = ProfilingTailer(root, state, rec, batch_window_s=0.02, executor=HeldReads(stuck, entered))
         rec.tailer = tailer
-        tailer._read_ranks = lambda jobs: (entered.set(), stuck.wait(30))  # a hung file system
         await tailer.start()
         await until(entered.is_set, 5, "a stuck read")
         started = time.monotonic()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agent.diskguard.rules import UsageLedger, choose_victims
-from agent.fstree.paths import Scopes, is_record_name
+from agent.fstree.paths import PathMap, Scopes, is_rank_name, is_record_name
 
 T0 = 1_763_456_789  # a 10-digit Unix second
 
@@ -53,7 +53,7 @@ def test_remove_tree_drops_a_prefix_and_only_that_prefix():
     assert ledger.remove_tree("") == 1 and (ledger.total, len(ledger)) == (0, 0)
 
 
-def test_remove_trees_drops_many_prefixes_in_one_pass():
+def test_remove_trees_drops_many_prefixes():
     ledger = ledger_of(*((f"job/{r}/{name}", 1, 0) for r in range(3000) for name in ("a", "b")), ("job/30x", 2, 0),
                        ("other/3/c", 4, 0))
     assert ledger.remove_trees(f"job/{r}" for r in range(0, 3000, 2)) == 3000
@@ -67,6 +67,40 @@ def test_scopes_hold_a_path_when_it_is_one_of_them_or_below_one():
     assert scopes.holding("job/1/a") == ["job", "job/1"]
     assert scopes.holding("job10/1") == [] and scopes.holding("x/yz") == [] and scopes.holding("x") == []
     assert scopes.holding("x/y") == ["x/y"] and Scopes([""]).holding("any/thing") == [""]
+
+
+def test_a_path_map_lists_and_drops_a_subtree_and_only_that_subtree():
+    paths = PathMap()
+    for path in ("job/1", "job/1/a", "job/10", "job1", "job", "x/y/z", ""):
+        paths[path] = path.upper()
+    assert paths.under("job") == [("job", "JOB"), ("job/1", "JOB/1"), ("job/1/a", "JOB/1/A"), ("job/10", "JOB/10")]
+    assert paths.under("x") == [("x/y/z", "X/Y/Z")] and paths.under("x/y/z/w") == [] and paths.under("jo") == []
+    assert paths.pop_tree("job/1") == [("job/1", "JOB/1"), ("job/1/a", "JOB/1/A")]
+    assert paths.pop("job") == "JOB" and paths.pop("job") is None
+    assert sorted(paths) == ["", "job/10", "job1", "x/y/z"] and paths.get("job/10") == "JOB/10"
+    assert paths.under("job") == [("job/10", "JOB/10")]  # still reached through a path that holds nothing
+    del paths["x/y/z"]
+    paths["x/y"] = "again"
+    assert paths.under("x") == [("x/y", "again")]
+    assert [path for path, _ in paths.pop_tree("")] == ["", "job/10", "job1", "x/y"] and len(paths) == 0
+    assert paths.under("") == []
+
+
+def test_a_path_map_forgets_a_large_subtree_directory_by_directory_as_events_come():
+    # rm -rf of a job: each rank directory goes on its own, deepest first, then the job; the rest stays.
+    paths = PathMap()
+    for job in ("a", "b"):
+        for rank in range(20_000):
+            paths[f"{job}/{rank}"] = rank
+    for rank in reversed(range(20_000)):
+        assert paths.pop_tree(f"a/{rank}") == [(f"a/{rank}", rank)]
+    assert paths.pop_tree("a") == [] and len(paths) == 20_000 and len(paths.under("b")) == 20_000
+
+
+def test_rank_names_are_canonical_decimal_numbers():
+    assert all(is_rank_name(name) for name in ("0", "7", "15", "999999999"))
+    for name in ("01", "-1", "+1", "1.0", "1000000000", "", " 1", "١", "a"):
+        assert not is_rank_name(name), name
 
 
 def test_record_names_are_exactly_ten_ascii_digits():

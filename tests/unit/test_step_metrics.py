@@ -18,7 +18,7 @@ from agent.steps.records import RankKey
 from agent.steps.consumer import (GONE_GRACE_S, IDLE_GRACE_S, LOGGED_MAX, MAX_PROCESSES, StepMetrics,
                                           pipeline_stage)
 from agent.steps.pairing import MAX_OPEN
-from agent.steps.tail import Position
+from agent.steps.cursors import Position
 
 KEY = RankKey("job", 0)
 
