@@ -1,8 +1,8 @@
 """Fault delivery to ClusterD (and to the agent's own stream subscribers) under load.
 
 The real agent (`python -m agent run`) runs as a subprocess against the fake libdcmi.so built from
-C (tests/fakes/dcmi) with FAKE_DCMI_CARDS NPUs, poll interval 1 s, and delivers public faults to
-the ClusterD stand-in (tests/fakes/clusterd), which applies ClusterD's rules (one token bucket per
+C (testkit/fakes/dcmi) with FAKE_DCMI_CARDS NPUs, poll interval 1 s, and delivers public faults to
+the ClusterD stand-in (testkit/fakes/clusterd), which applies ClusterD's rules (one token bucket per
 resource, 1 request/s, burst 100, 410 when empty; one FIFO delete queue in whole seconds, a
 recovered fault deleted >= 5 s after it was added; a late save to its ConfigMap; restarts).
 
@@ -75,10 +75,12 @@ from agent._proto import npu_agent_faults_pb2 as pb
 from agent._proto import npu_agent_faults_pb2_grpc as pb_grpc
 from agent.config import ClusterdConfig
 from agent.sinks.clusterd.sink import FOLLOW_UP_S
-from bench.fault_latency import fmt, metric_or_none, percentile, read_trace, summary
-from tests.fakes.clusterd import ClusterdStandIn
-from tests.fakes.dcmi import FakeDcmiControl, build_fake_dcmi
-from tests.integration.harness import AgentProcess, wait_until
+from bench.fault_latency import fmt, metric_or_none, read_trace, summary
+from bench.stats import percentile
+from testkit.agent import AgentProcess
+from testkit.fakes.clusterd import ClusterdStandIn
+from testkit.fakes.dcmi import FakeDcmiControl, build_fake_dcmi, physical_id
+from testkit.wait import wait_until
 
 NODE = "test-node"  # the harness's node name
 PUBLIC = ClusterdConfig().public_codes  # the agent's default level -> public code mapping
@@ -472,7 +474,7 @@ def latency_phase(args, fake: FakeDcmiControl, watcher: Watcher, standin: Cluste
         code, level = LADDER[k // args.cards]
         at = time.time()
         fake.occur(logic, code, severity=2)  # via event; replies once the agent's callback has returned
-        injected.append((k, logic, code, args.cards - 1 - logic, PUBLIC[level], at))
+        injected.append((k, logic, code, physical_id(logic, args.cards), PUBLIC[level], at))
     took = time.monotonic() - start
     keys = [(logic, code) for _, logic, code, *_ in injected]
 
@@ -723,7 +725,7 @@ class FaultSet:
         self._next, self._turn = count, 1
 
     def phys(self) -> set[int]:
-        return {self.cards - 1 - logic for logic in self.codes}
+        return {physical_id(logic, self.cards) for logic in self.codes}
 
     def inject(self, fake: FakeDcmiControl) -> None:
         for logic, code in self.codes.items():

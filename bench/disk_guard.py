@@ -44,7 +44,6 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import os
 import queue
 import shutil
@@ -59,6 +58,7 @@ from pathlib import Path
 import psutil
 
 from agent.diskguard.guard import DiskGuard
+from bench.stats import percentile
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -93,12 +93,6 @@ def naive_walk(root: Path) -> int:
             if stat.S_ISREG(st.st_mode):
                 total += st.st_size
     return total
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
 
 
 def fmt(seconds: float) -> str:

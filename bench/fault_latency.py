@@ -1,7 +1,7 @@
 """Fault latency of npu-node-agent: fake driver callback -> change on the agent's gRPC fault stream.
 
 The real agent (`python -m agent run`) runs as a subprocess against the fake libdcmi.so built from
-C (tests/fakes/dcmi), with FAKE_DCMI_CARDS NPUs and the given poll interval. A gRPC client in this
+C (testkit/fakes/dcmi), with FAKE_DCMI_CARDS NPUs and the given poll interval. A gRPC client in this
 process, on its own thread, watches the fault stream and stamps every change with time.time_ns()
 on receipt.
 
@@ -22,7 +22,6 @@ Run from the repository root:  .venv/bin/python -m bench.fault_latency
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import shutil
 import sys
@@ -35,8 +34,10 @@ import grpc
 
 from agent._proto import npu_agent_faults_pb2 as pb
 from agent._proto import npu_agent_faults_pb2_grpc as pb_grpc
-from tests.fakes.dcmi import FakeDcmiControl, build_fake_dcmi
-from tests.integration.harness import AgentProcess, wait_until
+from bench.stats import percentile
+from testkit.agent import AgentProcess
+from testkit.fakes.dcmi import FakeDcmiControl, build_fake_dcmi
+from testkit.wait import wait_until
 
 EVENT_CODE_BASE = 0x8A000000
 SILENT_CODE_BASE = 0x8B000000
@@ -108,13 +109,6 @@ class StreamRecorder:
 
 
 # ---- statistics ---------------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
 
 
 def summary(values: list[float]) -> dict[str, float]:

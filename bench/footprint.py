@@ -1,7 +1,7 @@
 """Idle footprint of npu-node-agent: RSS and CPU with 16 fake NPUs, no subscribers, no injections.
 
 The real agent (`python -m agent run`) runs as a subprocess against the fake libdcmi.so built from
-C (tests/fakes/dcmi), polling every 5 s. Beside it, in the same window, runs the baseline: a bare
+C (testkit/fakes/dcmi), polling every 5 s. Beside it, in the same window, runs the baseline: a bare
 interpreter of the same venv that imports the agent's dependencies (grpc, google.protobuf,
 prometheus_client, yaml, psutil) and sleeps. After a warm-up both are sampled every second (RSS
 with psutil; CPU time from the kernel at the start and end of the window), then VmHWM (the
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import psutil
 
-from tests.fakes.dcmi import build_fake_dcmi
-from tests.integration.harness import AgentProcess, wait_until
+from testkit.agent import AgentProcess
+from testkit.fakes.dcmi import build_fake_dcmi
+from testkit.wait import wait_until
 
 MIB = 1024 * 1024
 TARGET_RSS_MIB = 60.0

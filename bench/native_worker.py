@@ -2,7 +2,7 @@
 
 Run from the repository root:  .venv/bin/python -m bench.native_worker      # ~1 min on 2 cores
 
-The fake `libmspti.so` of the tests (tests/fakes/mspti, built here with cc) emits marker records
+The fake `libmspti.so` of the tests (testkit/fakes/mspti, built here with cc) emits marker records
 from its own thread through the real buffer protocol (request a buffer, fill it, complete it) as
 fast as it can. The collector under test hands out pooled buffers, walks each completed one with
 `msptiActivityGetNextRecord` and serialises the records into TaskD's JSON lines; this process
@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.fakes.mspti import build_fake_mspti, load_fake_mspti
+from testkit.fakes.mspti import build_fake_mspti, load_fake_mspti
 
 NAME, DOMAIN = b"forward", b"default"
 

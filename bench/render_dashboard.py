@@ -42,7 +42,8 @@ from typing import Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parent.parent
+from testkit import REPO
+
 DASHBOARD = REPO / "helm" / "npu-node-agent" / "files" / "grafana-dashboard.json"
 PREFIX = "training_"
 

@@ -10,7 +10,7 @@ Run from the repository root:  .venv/bin/python -m bench.step_metrics       # ~2
   alternating. Target >= 300,000 records/s per core. Beside it, not judged: the same with 4 MiB pieces
   (the tailer's read budget per round, so one finalize per 4 MiB after a backlog) on the first 8 MiB.
 * **Write -> /metrics lag**: the real agent (`python -m agent run`, through
-  `tests/integration/harness.py`, simulated devices) follows `profiling.root`. A writer thread in this
+  `testkit/agent.py`, simulated devices) follows `profiling.root`. A writer thread in this
   process plays a `DemoJob` of 16 ranks in 4 pipeline stages at step_s 0.1 (10 steps/s per rank) and
   appends every rank's finished steps every 1 s (open/append/close, a new file every 4 s). A poller
   thread scrapes /metrics every 50 ms. Latency of an append = the first scrape (stamped on receipt) in
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import shutil
 import signal
@@ -62,7 +61,9 @@ import psutil
 from agent.demo.job import DemoJob
 from agent.steps.records import parse
 from agent.steps.pairing import RankAssembler
-from tests.integration.harness import AgentProcess, wait_until
+from bench.stats import percentile
+from testkit.agent import AgentProcess
+from testkit.wait import wait_until
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -73,12 +74,6 @@ TASKD_FLUSH_BUDGET_S = 7.0  # the target's allowance for TaskD's flush
 
 
 # ---- statistics ---------------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
 
 
 def fmt(seconds: float) -> str:

@@ -19,13 +19,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.stats import percentile
+from testkit import REPO
+
 
 MANAGER = r'''
 import asyncio, sys
@@ -129,11 +128,6 @@ def clients(target: str, mode: str, count: int, inflight: int, processes: int) -
     return results
 
 
-def percentile(values: list[int], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))] / 1e6
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--latency-count", type=int, default=5000)
@@ -157,7 +151,7 @@ def main() -> int:
         rows = {}
         for name, target in targets.items():
             samples = clients(target, "latency", options.latency_count, 1, 1)[0]["samples"]
-            rows[name] = {q: percentile(samples, q) for q in (0.5, 0.9, 0.99)}
+            rows[name] = {q: percentile(samples, 100 * q) / 1e6 for q in (0.5, 0.9, 0.99)}  # ns -> ms
         rates, cpu = {}, {}
         for name, target in targets.items():
             before = sum(watched[name].cpu_times()[:2])

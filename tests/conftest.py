@@ -14,8 +14,6 @@ import pytest
 
 from tests.support.tables import write_rule_files
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 @pytest.fixture(scope="session")
 def rule_dir(tmp_path_factory) -> Path:

@@ -2,7 +2,7 @@
 with ClusterD's rules (the same ones the agent applies before sending) and reports what arrived.
 
 It is part of the demo only; the tests use a fuller stand-in with ClusterD's rate limits and
-occur/recover semantics (tests/fakes/clusterd).
+occur/recover semantics (testkit/fakes/clusterd).
 """
 
 from __future__ import annotations

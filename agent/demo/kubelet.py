@@ -3,7 +3,7 @@ that the simulated training job's two pods hold the node's NPUs, four each — s
 fault stream and ClusterD requests name the pod a fault hits, as they would on a real node.
 
 It is part of the demo only; the tests use a stand-in they can make slow, broken or absent
-(tests/fakes/kubelet).
+(testkit/fakes/kubelet).
 """
 
 from __future__ import annotations

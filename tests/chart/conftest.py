@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from testkit import REPO
 from tests.chart.helm_binary import HelmUnavailable, helm_path
 
-REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "npu-node-agent"
 VALUES = Path(__file__).resolve().parent / "values"
 VALUE_FILES = sorted(p.stem for p in VALUES.glob("*.yaml"))

@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from agent.config import Config, to_dict
-from tests.chart.conftest import CHART, REPO, VALUE_FILES, VALUES
+from testkit import REPO
+from tests.chart.conftest import CHART, VALUE_FILES, VALUES
 
 CHART_KEYS = {"node_name", "http", "grpc"}  # set by the chart, not by values
 

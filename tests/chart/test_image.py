@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chart.conftest import REPO
+from testkit import REPO
 
 SCRIPT = REPO / ".ci" / "build-image"
 
@@ -49,7 +49,7 @@ def test_wheel_carries_the_native_extension_and_no_tests(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert any(re.fullmatch(r"agent/_native\.cpython-311-.*\.so", n) for n in names), names
     assert "agent/faults/rules/builtin_fault_codes.json" in names
-    assert not [n for n in names if n.startswith(("tests/", "bench/"))]
+    assert not [n for n in names if n.startswith(("tests/", "bench/", "testkit/"))]
 
 
 def test_install_into_a_fresh_environment_loads_the_native_extension(wheel, tmp_path):

@@ -9,16 +9,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.fakes.dcmi import FakeDcmiControl, build_fake_dcmi
-from tests.fakes.mspti import build_fake_mspti
-from tests.fakes.kube import KubeStandIn
-from tests.integration.harness import AgentProcess, wait_until
+from testkit.agent import AgentProcess
+from testkit.fakes.dcmi import FakeDcmiControl, build_fake_dcmi, physical_id
+from testkit.fakes.kube import KubeStandIn
+from testkit.fakes.mspti import build_fake_mspti
+from testkit.wait import wait_until
 
-CARDS = 8  # the fake's physical id is CARDS-1-logic
+CARDS = 8
 
 
 def phy(logic: int) -> int:
-    return CARDS - 1 - logic
+    return physical_id(logic, CARDS)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent._proto import npu_agent_faults_pb2 as pb
 from agent._proto import npu_agent_faults_pb2_grpc as pb_grpc
-from tests.integration.harness import REPO, AgentProcess, wait_until
+from testkit import REPO
+from testkit.agent import AgentProcess
+from testkit.wait import wait_until
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from tests.fakes.clusterd import ClusterdStandIn, OtherSender
+from testkit.fakes.clusterd import ClusterdStandIn, OtherSender
+from testkit.wait import wait_until
 from tests.integration.conftest import phy
-from tests.integration.harness import wait_until
+from tests.support.clock import FakeClock
 
 NODE = "test-node"
 SEPARATE, RESTART = "020011001", "020011002"
@@ -149,21 +150,8 @@ def test_clusterd_restarted_without_its_saved_faults_holds_the_agent_set_again_w
     no_silent_drops(clusterd)
 
 
-class StandInClock:
-    """ClusterD's time, moved by the test: its queued deletions and its reload run when the test says."""
-
-    def __init__(self):
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 def test_a_fault_recovered_just_before_a_clusterd_restart_does_not_come_back(start_agent):
-    clock = StandInClock()
+    clock = FakeClock(time.time())  # ClusterD's time, moved by the test; it starts at the agent's real time
     with ClusterdStandIn(clock=clock, reload_delay_s=8) as clusterd:
         clock.advance(9)  # past its first reload: from now on it saves what it holds
         agent, fake = start_agent(devices={"poll_interval_seconds": 1}, **with_clusterd(clusterd))

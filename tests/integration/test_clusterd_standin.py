@@ -10,7 +10,8 @@ import pytest
 
 from agent._proto import pubfault_pb2 as pb
 from agent._proto import pubfault_pb2_grpc as pb_grpc
-from tests.fakes.clusterd import DEFAULT_CONFIG, ClusterdStandIn, OtherSender
+from testkit.fakes.clusterd import DEFAULT_CONFIG, ClusterdStandIn, OtherSender
+from tests.support.clock import FakeClock
 
 T0 = 1_760_000_000.0  # fake-clock start, seconds
 NOW_MS = 1_760_000_000_000
@@ -18,21 +19,6 @@ KEY = ("node-a", "npu-node-agent", "fault-0001")
 # Short reconnect backoff, so a call after the stand-in comes back doesn't wait ~1 s.
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
                    ("grpc.max_reconnect_backoff_ms", 100)]
-
-
-class FakeClock:
-    def __init__(self, now: float = T0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-    def at(self, offset: float) -> None:
-        """Set the time to T0 + offset (no accumulated rounding, unlike repeated advance())."""
-        self.now = T0 + offset
 
 
 def fault(fault_id="fault-0001", assertion="occur", code="020011001", **overrides) -> pb.Fault:
@@ -60,7 +46,7 @@ class Client:
 
 @pytest.fixture
 def clock() -> FakeClock:
-    return FakeClock()
+    return FakeClock(T0)
 
 
 @pytest.fixture

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tests.fakes.clusterd import ClusterdStandIn
+from testkit.fakes.clusterd import ClusterdStandIn
+from testkit.wait import wait_until
 from tests.integration.conftest import phy
-from tests.integration.harness import wait_until
 
 
 def test_an_ipv6_mindx_server_ip_reaches_clusterd_over_ipv6(start_agent):

@@ -6,9 +6,9 @@ import json
 
 
 from agent.common.gojson import check_code
-from tests.fakes.kube import KubeStandIn
+from testkit.fakes.kube import KubeStandIn
+from testkit.wait import wait_until
 from tests.integration.conftest import phy
-from tests.integration.harness import wait_until
 
 NAME = "mindx-dl-deviceinfo-test-node"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import wait_until
+from testkit.wait import wait_until
 
 NODE = "test-node"
 ON = '{"CommunicationOperator":"off","Step":"on","SaveCheckpoint":"on","FP":"on","DataLoader":"on"}'

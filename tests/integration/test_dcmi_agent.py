@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from agent.devices import dcmi_abi as abi
-from tests.fakes.dcmi import FakeDcmiControl
+from testkit.agent import AgentProcess
+from testkit.fakes.dcmi import FakeDcmiControl
+from testkit.wait import wait_until
 from tests.integration.conftest import CARDS, phy
-from tests.integration.harness import AgentProcess, wait_until
 
 DEADLINE = 2.0  # faults must show in /metrics and `faults --json` within this
 

@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 
 from agent.diskguard.guard import DiskGuard
-from tests.integration.harness import AgentProcess, wait_until
+from testkit import REPO
+from testkit.agent import AgentProcess
+from testkit.wait import until, wait_until
 
-REPO = Path(__file__).resolve().parents[2]
 T0 = 1_700_000_000
 KIB = 1024
 
@@ -35,16 +36,6 @@ KIB = 1024
 
 def run(coro, timeout: float = 60.0):
     return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-async def until(predicate, timeout: float, what: str, interval: float = 0.005) -> float:
-    """Poll `predicate` until it is true; the seconds it took. Fails with `what` after `timeout`."""
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(interval)
-    return time.monotonic() - started
 
 
 @contextlib.asynccontextmanager

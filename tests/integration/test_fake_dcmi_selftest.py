@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.fakes.dcmi import FakeDcmiControl, build_fake_dcmi
+from testkit.fakes.dcmi import FakeDcmiControl, build_fake_dcmi
+from testkit.wait import wait_until
 
 OK, INVALID_PARAM, NOT_READY, NOT_INIT = 0, -8001, -8012, -8020
 CODE_A, CODE_B, CODE_C = 0x80E01801, 0x8C2FA009, 0xA8028802
@@ -48,14 +49,6 @@ def load(path: Path) -> ctypes.CDLL:
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
     lib.fake_dcmi_layout.restype = ctypes.c_char_p
     return lib
-
-
-def wait_until(predicate, timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.005)
 
 
 # -- fixtures --------------------------------------------------------------
@@ -310,7 +303,7 @@ def test_hang_blocks_until_released(fake):
     worker = threading.Thread(target=lambda: result.update(out=health(lib, 0)), daemon=True)
     worker.start()
     # Calls are counted before they hang, under the same lock as the wait.
-    wait_until(lambda: ctl.stats()["calls"]["dcmi_get_device_health"] == 1, what="hung call")
+    wait_until(lambda: ctl.stats()["calls"]["dcmi_get_device_health"] == 1, 5, "hung call")
     assert worker.is_alive() and not result
     assert error_codes(lib, 0) == (OK, [])  # other functions are unaffected
     ctl.hang("dcmi_get_device_health", 0)

@@ -11,7 +11,8 @@ from kubernetes import watch
 from kubernetes.client import V1ConfigMap, V1ObjectMeta
 from kubernetes.client.rest import ApiException
 
-from tests.fakes.kube import KubeStandIn
+from testkit.fakes.kube import KubeStandIn
+from testkit.wait import wait_until
 
 NS = "kube-system"
 
@@ -25,14 +26,6 @@ def kube():
 @pytest.fixture
 def api(kube):
     return kube.client()
-
-
-def wait_until(predicate, timeout=5.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)  # polling interval, not synchronisation
 
 
 def status_of(exc: ApiException) -> dict:
@@ -241,7 +234,7 @@ def test_watch_without_resource_version_starts_with_current_state(api, kube):
     api.create_namespaced_config_map(NS, configmap("b"))
     watcher = WatchThread(api.list_namespaced_config_map, NS, label_selector="watched",
                           timeout_seconds=5, stop_after=2)
-    wait_until(lambda: watcher.events, what="initial ADDED")
+    wait_until(lambda: watcher.events, 5, "initial ADDED")
     api.create_namespaced_config_map(NS, configmap("c"))  # filtered out
     api.create_namespaced_config_map(NS, configmap("d", {"watched": "yes"}))
     assert watcher.join() == [("ADDED", "a"), ("ADDED", "d")]
@@ -310,7 +303,7 @@ def test_server_stop_ends_an_open_watch():
     api = kube.client()
     api.create_namespaced_config_map(NS, configmap("cm"))
     watcher = WatchThread(api.list_namespaced_config_map, NS, timeout_seconds=60)
-    wait_until(lambda: watcher.events, what="watch to connect")
+    wait_until(lambda: watcher.events, 5, "watch to connect")
     started = time.monotonic()
     kube.stop()
     assert watcher.join(timeout=5) == [("ADDED", "cm")] and watcher.error is None

@@ -1,4 +1,4 @@
-"""agent._native.Collector against the fake libmspti.so (tests/fakes/mspti), in this process.
+"""agent._native.Collector against the fake libmspti.so (testkit/fakes/mspti), in this process.
 
 Nothing here is skipped: CI builds the extension with `pip install -e .`, so an import failure is
 a test failure that carries the reason."""
@@ -16,12 +16,12 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.fakes.mspti import load_fake_mspti
-from tests.integration.harness import wait_until
+from testkit import REPO
+from testkit.fakes.mspti import load_fake_mspti
+from testkit.wait import wait_until
 
 try:
     import agent._native as native
@@ -31,7 +31,6 @@ except Exception as exc:  # noqa: BLE001 - reported by the tests below
     native = None
     IMPORT_ERROR = exc
 
-REPO = Path(__file__).resolve().parents[2]
 MARKER, KERNEL, API, MEMORY = 1, 2, 3, 5
 MARKER_KEYS = ["Kind", "Flag", "SourceKind", "Timestamp", "Id", "MsptiObjectId", "Name", "Domain"]
 API_KEYS = ["Kind", "Start", "End", "Pt", "CorrelationId", "Name"]
@@ -692,7 +691,7 @@ def test_one_open_collector_and_load_errors(open_collector, fake, tmp_path):
 EXIT_SCRIPT = r"""
 import os, sys, time
 sys.path.insert(0, sys.argv[1])
-from tests.fakes.mspti import load_fake_mspti
+from testkit.fakes.mspti import load_fake_mspti
 import agent._native as native
 lib = load_fake_mspti(sys.argv[2])
 variant = int(sys.argv[3])

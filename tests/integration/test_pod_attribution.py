@@ -3,9 +3,9 @@ unix socket while pods appear, move and vanish, and the kubelet dies or hangs.""
 
 from __future__ import annotations
 
-from tests.fakes.kubelet.podresources import PodResourcesStandIn
+from testkit.fakes.kubelet.podresources import PodResourcesStandIn
+from testkit.wait import wait_until
 from tests.integration.conftest import phy
-from tests.integration.harness import wait_until
 
 MODEL = "910B3-Ascend-V1"
 RESOURCE = "huawei.com/Ascend910"
@@ -75,7 +75,7 @@ def test_device_series_and_faults_name_the_pod_holding_the_npu(start_agent, shor
 
 
 def test_the_clusterd_request_names_the_pods_within_clusterds_limits(start_agent, short_dir):
-    from tests.fakes.clusterd import ClusterdStandIn
+    from testkit.fakes.clusterd import ClusterdStandIn
 
     kubelet = PodResourcesStandIn(short_dir / "kubelet.sock")
     long_name = "w" * 253  # the longest pod name: more than a faultLocation value or, twice, a description holds

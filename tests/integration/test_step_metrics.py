@@ -10,7 +10,7 @@ import pytest
 
 from agent.demo.job import DemoJob
 from agent.demo.synthetic import RankTiming
-from tests.integration.harness import wait_until
+from testkit.wait import wait_until
 
 JOB = "0f4c1ad2-job-uid"
 FILE = "1800000000"

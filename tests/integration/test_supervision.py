@@ -12,7 +12,8 @@ from pathlib import Path
 import agent
 from agent.app import serve
 from agent.config import config_from_dict
-from tests.fakes.clusterd import ClusterdStandIn
+from testkit.fakes.clusterd import ClusterdStandIn
+from testkit.wait import until
 
 AGENT_DIR = str(Path(agent.__file__).parent)
 
@@ -58,11 +59,12 @@ def test_every_long_lived_task_runs_supervised(tmp_path, kube, monkeypatch):
         stop = asyncio.Event()
         started: list = []
         run = asyncio.create_task(serve(config, stop, on_started=started.append))
-        deadline = asyncio.get_running_loop().time() + 30
-        while not (started and started[0].readiness.check()[0]):
-            assert asyncio.get_running_loop().time() < deadline, started and started[0].readiness.check()
-            assert not run.done(), run.result()
-            await asyncio.sleep(0.05)
+
+        def ready() -> bool:
+            assert not run.done(), run.result()  # it ended before it was ready: stop waiting
+            return bool(started) and started[0].readiness.check()[0]
+
+        await until(ready, 30, lambda: f"readiness, now {started and started[0].readiness.check()}", 0.05)
         running = agent_tasks(run, asyncio.current_task())
         stop.set()
         assert await run == 0

@@ -21,6 +21,7 @@ from agent.steps.cursors import Position
 from agent.steps.reader import read_ranks
 from agent.steps.records import RankKey
 from agent.steps.tail import ProfilingTailer
+from testkit.wait import until
 
 T0 = 1_700_000_000
 KEY = RankKey("job", 0)
@@ -31,14 +32,6 @@ KEY = RankKey("job", 0)
 
 def run(coro, timeout: float = 30.0):
     return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-async def until(predicate, timeout: float, what: str) -> None:
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 class HeldReads:

@@ -10,8 +10,10 @@ import sys
 
 import pytest
 
-from tests.fakes.tasknet.driver import MGR, free_port, manager, pos, worker
-from tests.integration.harness import REPO, AgentProcess, wait_until
+from testkit import REPO
+from testkit.agent import AgentProcess
+from testkit.fakes.tasknet.driver import MGR, free_port, manager, pos, worker
+from testkit.wait import wait_until
 
 JOBS = {"job-a": "127.0.0.2", "job-b": "127.0.0.3"}  # each job's manager on its own host, same port
 RANKS = range(4)

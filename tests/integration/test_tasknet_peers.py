@@ -1,4 +1,4 @@
-"""Self-test of the TaskNet peer stand-ins (tests/fakes/tasknet): workers wired straight to a manager.
+"""Self-test of the TaskNet peer stand-ins (testkit/fakes/tasknet): workers wired straight to a manager.
 
 With no proxy in between, the manager plays the worker's upstream itself, which is what TaskD's
 net layer does for any level-1 client: each peer is a separate process speaking real gRPC.  Where a
@@ -18,8 +18,8 @@ import pytest
 
 from agent._proto import tasknet_pb2 as pb
 from agent._proto import tasknet_pb2_grpc as pb_grpc
-from tests.fakes.tasknet import driver
-from tests.fakes.tasknet.driver import MGR, pos
+from testkit.fakes.tasknet import driver
+from testkit.fakes.tasknet.driver import MGR, pos
 
 BODY = json.dumps({"msg_type": "STATUS", "code": 0, "message": "naïve \"quoted\"\nline", "extension": {"k": "v"}})
 REGISTER = '{"msg_type":"REGISTER","code":101,"message":"","extension":null}'

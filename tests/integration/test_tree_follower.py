@@ -15,13 +15,7 @@ from agent.fstree.paths import join
 from agent.fstree.tree import TreeFollower
 from agent.fstree.walk import Walk
 from agent.lifecycle import Tasks
-
-
-async def until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        await asyncio.sleep(0.005)
+from testkit.wait import until
 
 
 class Counting:

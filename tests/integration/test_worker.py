@@ -1,4 +1,4 @@
-"""The ctypes collector and the worker end to end against the fake libmspti (tests/fakes/mspti).
+"""The ctypes collector and the worker end to end against the fake libmspti (testkit/fakes/mspti).
 
 The fake is one shared library per process, loaded once: every test switches it off again (the
 collector's close does) and resets its counters. The module-level API and the atexit hook run in
@@ -23,12 +23,12 @@ from agent.steps import records
 from agent.worker import jsonlines
 from agent.worker.fallback import Collector
 from agent.worker.runtime import Worker
-from tests.fakes.mspti import load_fake_mspti
-from tests.fakes.mspti.trainer import Trainer, trainer_env
-from tests.fakes.tasknet.driver import free_port, manager
-from tests.integration.harness import wait_until
+from testkit import REPO
+from testkit.fakes.mspti import load_fake_mspti
+from testkit.fakes.mspti.trainer import Trainer, trainer_env
+from testkit.fakes.tasknet.driver import free_port, manager
+from testkit.wait import wait_until
 
-REPO = Path(__file__).resolve().parents[2]
 MARKER, KERNEL, API, MEMORY = 1, 2, 3, 5
 STATE_COMM, STATE_SUBSCRIBED, STATE_FOREIGN = 1 << 32, 1 << 33, 1 << 34
 
@@ -350,7 +350,7 @@ CHILD = textwrap.dedent("""
     import json, logging, os, sys, time
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     import agent.worker as worker
-    from tests.fakes.mspti import load_fake_mspti
+    from testkit.fakes.mspti import load_fake_mspti
     args = json.loads(sys.argv[1])
     ok = worker.init_taskd_worker(*args["init"])
     result = {"init": ok, "impl": worker.implementation()}

@@ -1,6 +1,6 @@
 """TaskD's manager-driven profiling switch through the real node agent's TaskD proxy.
 
-A training process (`tests.fakes.mspti.trainer`: `agent.worker` on the fake libmspti, a separate
+A training process (`testkit.fakes.mspti.trainer`: `agent.worker` on the fake libmspti, a separate
 process, since the proxy tells jobs apart by each caller's own environment) registers with its
 job's manager (the TaskNet manager stand-in) through the agent's proxy; the manager's ACTION
 commands come down through the proxy and switch MSPTI, the worker's STATUS replies go up.
@@ -13,9 +13,10 @@ import os
 from pathlib import Path
 
 from agent.steps import records
-from tests.fakes.mspti.trainer import Trainer, trainer_env
-from tests.fakes.tasknet.driver import free_port, manager
-from tests.integration.harness import AgentProcess, wait_until
+from testkit.agent import AgentProcess
+from testkit.fakes.mspti.trainer import Trainer, trainer_env
+from testkit.fakes.tasknet.driver import free_port, manager
+from testkit.wait import wait_until
 
 MANAGER_HOST = "127.0.0.2"  # the job's MASTER_ADDR: its manager listens there
 MARKER = 1

@@ -1,4 +1,4 @@
-"""The chart's Prometheus rules and Grafana dashboard, and the renderer of the dashboard's picture.
+"""The chart's Prometheus rules and Grafana dashboard (the renderer of its picture is tested in bench/).
 
 Every PromQL expression is parsed with promql-parser, the Rust parser of the Prometheus grammar, which
 is in the `test` extra. The tests walk its syntax tree. Every selector must name a series the agent
@@ -11,17 +11,14 @@ silently matches nothing.
 from __future__ import annotations
 
 import json
-import math
 import re
-import subprocess
-import sys
 from datetime import timedelta
 
 import promql_parser as pq
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from testkit import REPO
 
 FILES = REPO / "helm" / "npu-node-agent" / "files"
 RULES = FILES / "prometheus-rules.yaml"
@@ -521,67 +518,3 @@ def test_the_panels_the_readme_shows_exist(dashboard):
     assert expected <= set().union(*(names(p) for p in by_title.values()))
     timeline = [p for p in panels(dashboard) if p["type"] == "state-timeline" and "training_rank_slow" in names(p)]
     assert timeline and any(t["expr"].rstrip().endswith("== 1") for p in timeline for t in p["targets"])
-
-
-# ---------------------------------------------------------------------------------------------
-# The renderer of the dashboard's picture (bench/render_dashboard.py), without matplotlib.
-
-def test_the_renderer_draws_every_panel_of_the_dashboard_by_its_title(dashboard):
-    from bench import render_dashboard
-
-    assert set(render_dashboard.DRAWERS) == {p["title"] for p in panels(dashboard)}
-    for method in render_dashboard.DRAWERS.values():
-        assert callable(getattr(render_dashboard.Renderer, method))
-
-
-def run_python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-
-
-def test_the_renderer_needs_matplotlib_only_to_draw_and_says_so_in_one_line(tmp_path):
-    done = run_python("import sys, bench.render_dashboard; assert 'matplotlib' not in sys.modules")
-    assert done.returncode == 0, done.stderr
-    out = tmp_path / "dash.png"
-    done = run_python("import sys; sys.modules['matplotlib'] = None\n"
-                      "from bench.render_dashboard import main\n"
-                      f"sys.exit(main(['--synthetic', '--seconds', '4', '--out', {str(out)!r}]))")
-    assert done.returncode == 2
-    assert done.stderr.count("\n") == 1 and "matplotlib is not installed" in done.stderr, done.stderr
-    assert not out.exists()
-
-
-def test_histogram_quantile_and_increase_follow_prometheus():
-    from bench.render_dashboard import histogram_quantile, increase, window_start
-
-    inf = math.inf
-    assert histogram_quantile(0.5, [(1.0, 0), (1.25, 10), (inf, 10)]) == pytest.approx(1.125)
-    assert histogram_quantile(0.5, [(0.75, 4), (1.0, 6), (inf, 10)]) == pytest.approx(0.75 + 0.25 * 0.5)
-    assert histogram_quantile(0.5, [(0.5, 10), (inf, 10)]) == pytest.approx(0.25)  # first bucket starts at 0
-    assert histogram_quantile(0.9, [(1.0, 1), (inf, 10)]) == 1.0  # in +Inf: the highest finite bound
-    assert math.isnan(histogram_quantile(0.5, [(1.0, 0), (inf, 0)]))
-    assert increase([10, 12, 3, 5, None, 9], 0, 5) == 2 + 3 + 2 + 4  # a reset counts from 0
-    times = [0, 2, 4, 6, 8, 10]
-    assert window_start(times, 5, 4) == 3 and window_start(times, 1, 4) == 0 and window_start(times, 0, 4) is None
-    assert window_start(times, 1, 30) is None  # less than half a window of history: no value
-
-
-def test_synthetic_samples_show_rank_5_slow_and_survive_a_save(tmp_path):
-    from bench.render_dashboard import Samples, gauge_lines, step_p50, synthetic_samples
-
-    samples = synthetic_samples(seconds=48, interval=4)
-    assert len(samples.times) == 13
-    slow = {(labels["rank"], labels["reason"]): values for labels, values in samples.select("training_rank_slow")}
-    assert len(slow) == 16 * 3
-    assert slow[("5", "compute")][0] == 0 and slow[("5", "compute")][-1] == 1
-    assert [rank for (rank, reason), v in slow.items() if reason == "compute" and 1 in v] == ["5"]
-    assert all(v[-1] == 1 for (_, reason), v in slow.items() if reason == "temporal")  # synchronous: all wait
-    compute = gauge_lines(samples, "training_rank_compute_seconds", None)
-    assert compute[("mindx-7f3c2a", "5")][-1] > 1.10 * compute[("mindx-7f3c2a", "4")][-1]
-    p50 = step_p50(samples, 12, None)
-    assert 0.25 < p50[("mindx-7f3c2a", "0")][-1] <= 0.5  # inside the bucket that holds 0.25-0.3 s steps
-    last = gauge_lines(samples, "training_step_last_duration_seconds", None)[("mindx-7f3c2a", "0")]
-    assert last[4] * 1.08 < last[-1]  # every rank waits for rank 5
-    path = tmp_path / "samples.json"
-    path.write_text(json.dumps(samples.to_json()))
-    loaded = Samples.from_json(json.loads(path.read_text()))
-    assert loaded.times == samples.times and loaded.series == samples.series

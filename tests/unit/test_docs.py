@@ -3,7 +3,7 @@ from the code by tests/support/gendocs.py (`python -m tests.support.gendocs` rew
 
 from __future__ import annotations
 
-from tests.conftest import REPO
+from testkit import REPO
 from tests.support import gendocs
 
 

@@ -11,7 +11,7 @@ from agent.model import DeviceInfo, Health, Level, Reading
 from agent.faults.hub import FaultHub
 from agent.faults.log import FaultLog
 from agent.faults.service import FaultService
-from tests.unit.aio import until
+from testkit.wait import until
 
 DEVICE = DeviceInfo(0, 0, 0, 0, "910B3", "910B3-Ascend-V1")
 
@@ -38,9 +38,9 @@ def test_a_reload_that_fails_is_restarted_and_the_next_file_loads(tmp_path):
             service.on_reading(DEVICE, Reading(Health.UNHEALTHY, frozenset({0x12345678})), 0)
             assert service.engine.state(0).level is Level.NotHandleFault and len(published) == 1
             table.write_text(json.dumps({"SeparateNPUCodes": ["12345678"]}))
-            await until(lambda: len(published) == 2, "the reload that fails")
+            await until(lambda: len(published) == 2, 20, "the reload that fails")
             table.write_text(json.dumps({"RestartNPUCodes": ["12345678"], "NotHandleFaultCodes": []}))
-            await until(lambda: service.engine.state(0).level is Level.RestartNPU, "the next file in force")
+            await until(lambda: service.engine.state(0).level is Level.RestartNPU, 20, "the next file in force")
             assert tasks.restarts["faults/rule-reload"] == before + 1
             assert "RuntimeError: sink failed" in service.tasks.problem  # on /readyz until it runs well for 10 s
         finally:

@@ -8,7 +8,7 @@ from collections import Counter
 from agent import lifecycle as tasks
 from agent.model import DeviceInfo, Health, Reading
 from agent.devices.monitor import DeviceMonitor
-from tests.unit.aio import until
+from testkit.wait import until
 
 
 class Driver:
@@ -76,7 +76,7 @@ def test_a_failed_poll_round_restarts_the_polling_without_opening_or_subscribing
     before = tasks.restarts["devices/main"]
 
     async def check(monitor: DeviceMonitor):
-        await until(lambda: observer.calls["reading"] >= 20, "polling again after the restart")
+        await until(lambda: observer.calls["reading"] >= 20, 20, "polling again after the restart")
         assert tasks.restarts["devices/main"] == before + 1
         assert "RuntimeError: reading #3 failed" in monitor.tasks.problem  # on /readyz until it runs well for 10 s
 
@@ -88,7 +88,7 @@ def test_an_inventory_that_failed_is_listed_again_and_then_polled():
     driver, observer = Driver(), Observer(fail={("inventory", 1)})
 
     async def check(monitor: DeviceMonitor):
-        await until(lambda: observer.calls["reading"] >= 4, "polling after the second inventory")
+        await until(lambda: observer.calls["reading"] >= 4, 20, "polling after the second inventory")
         assert monitor.readiness() == (True, "")
 
     run_monitor(observer, driver, check)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.conftest import REPO
+from testkit import REPO
 
 from agent.common.errors import MAX_PROBLEMS, ConfigError
 from agent.faults.rules.codes import load_fault_code_table, parse_fault_code_table

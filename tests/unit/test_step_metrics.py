@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import tracemalloc
 from pathlib import Path
 
@@ -19,16 +18,10 @@ from agent.steps.consumer import (GONE_GRACE_S, IDLE_GRACE_S, LOGGED_MAX, MAX_PR
                                           pipeline_stage)
 from agent.steps.pairing import MAX_OPEN
 from agent.steps.cursors import Position
+from testkit.wait import until
+from tests.support.clock import FakeClock as Clock
 
 KEY = RankKey("job", 0)
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1_800_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def job_lines(steps: int) -> list[bytes]:
@@ -99,13 +92,6 @@ def test_steps_read_again_after_a_restart_are_not_counted_twice(tmp_path):
     again.on_lines(KEY, "1800000000", 0, data + b"".join(job_lines(5)[4:]))
     again.on_batch_end()
     assert again.ranks[KEY].steps_total == 1
-
-
-async def until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 def test_ranks_of_ended_jobs_leave_the_scrape_after_their_grace_with_no_record_arriving(tmp_path):

@@ -7,7 +7,7 @@ import logging
 
 from agent import lifecycle as tasks
 from agent.lifecycle import Tasks
-from tests.unit.aio import until
+from testkit.wait import until
 
 
 def test_a_failing_task_is_restarted_after_reset_and_shows_until_it_has_run_a_while(caplog):
@@ -24,12 +24,12 @@ def test_a_failing_task_is_restarted_after_reset_and_shows_until_it_has_run_a_wh
 
         group = Tasks("comp", backoff_first_s=0.05, healthy_after_s=0.3)
         group.start("loop", body, reset=lambda: resets.append(1))
-        await until(lambda: len(runs) == 3)
+        await until(lambda: len(runs) == 3, 20, "the third run")
         assert group.problem.startswith("task loop failed (OSError: boom 2)")
         assert group.running == ["loop"]
-        await until(lambda: not group.problem)  # the third run went on long enough
+        await until(lambda: not group.problem, 20, "the third run to count as healthy")
         done.set()
-        await until(lambda: not group.running)  # a body that returns is finished, not restarted
+        await until(lambda: not group.running, 20, "the task to finish")  # a body that returns is not restarted
         assert len(runs) == 3
 
     caplog.set_level(logging.ERROR, "agent.lifecycle")
@@ -57,7 +57,7 @@ def test_stop_cancels_tasks_and_a_failing_reset_does_not_end_the_task():
 
         group = Tasks("comp2", backoff_first_s=0.01, healthy_after_s=60)
         group.start("loop", body, reset=reset)
-        await until(lambda: len(runs) == 2)
+        await until(lambda: len(runs) == 2, 20, "the restart")
         assert "ValueError: first" in group.problem
         await group.stop(timeout=5)
         assert group.running == []
@@ -76,7 +76,7 @@ def test_the_backoff_doubles_between_failures():
 
         group = Tasks("comp3", backoff_first_s=0.1, healthy_after_s=60)
         group.start("loop", body)
-        await until(lambda: len(times) == 4)
+        await until(lambda: len(times) == 4, 20, "three restarts")
         await group.stop()
         gaps = [b - a for a, b in zip(times, times[1:])]
         assert gaps[0] >= 0.08 and gaps[1] >= 0.16 and gaps[2] >= 0.32  # 1x, 2x, 4x (jitter: 80-100 %)

@@ -10,14 +10,9 @@ import pytest
 
 from agent.worker import writer as writer_mod
 from agent.worker.writer import FILE_LIMIT, RankWriter
+from tests.support.clock import FakeClock
 
-
-class Clock:
-    def __init__(self, now: float = 1_755_771_234.5) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
+T0 = 1_755_771_234.5
 
 
 def lines(n: int, size: int = 100) -> bytes:
@@ -30,7 +25,7 @@ def files(rank_dir) -> list[str]:
 
 
 def test_first_write_creates_dirs_and_a_10_digit_file(tmp_path):
-    clock = Clock()
+    clock = FakeClock(T0)
     w = RankWriter(str(tmp_path / "root"), "job-1", 3, 5000, clock=clock)
     assert w.write(b"a\nb\n") == 4
     rank_dir = tmp_path / "root" / "job-1" / "3"
@@ -43,7 +38,7 @@ def test_first_write_creates_dirs_and_a_10_digit_file(tmp_path):
 def test_modes(tmp_path):
     old = os.umask(0o077)
     try:
-        w = RankWriter(str(tmp_path / "root"), "job", 0, 5000, clock=Clock())
+        w = RankWriter(str(tmp_path / "root"), "job", 0, 5000, clock=FakeClock(T0))
         w.write(b"a\n")
     finally:
         os.umask(old)
@@ -60,7 +55,7 @@ def test_appends_to_the_newest_10_digit_file(tmp_path):
     (rank_dir / "99999999999").write_bytes(b"")  # 11 digits: not a record file
     (rank_dir / "parallel_group.json").write_bytes(b"{}")
     (rank_dir / "1800000000").mkdir()  # a directory is skipped
-    w = RankWriter(str(tmp_path), "job", 1, 5000, clock=Clock())
+    w = RankWriter(str(tmp_path), "job", 1, 5000, clock=FakeClock(T0))
     w.write(b"more\n")
     assert (rank_dir / "1700000500").read_bytes() == b"newer\nmore\n"
     assert (rank_dir / "1700000000").read_bytes() == b"old\n"
@@ -72,7 +67,7 @@ def test_rotation_only_when_strictly_greater_than_10_mib(tmp_path):
     rank_dir.mkdir(parents=True)
     first = rank_dir / "1700000000"
     first.write_bytes(b"x" * (FILE_LIMIT - 1) + b"\n")  # exactly 10 MiB: not greater
-    clock = Clock(1_755_771_300)
+    clock = FakeClock(1_755_771_300)
     w = RankWriter(str(tmp_path), "job", 0, 5000, clock=clock)
     w.write(b"a\n")  # checked before the write: 10 MiB is not > 10 MiB, so this file overshoots
     assert files(rank_dir) == ["1700000000"]
@@ -85,7 +80,7 @@ def test_rotation_only_when_strictly_greater_than_10_mib(tmp_path):
 
 
 def test_rotation_by_own_writes_and_same_second_reuse(tmp_path):
-    clock = Clock(1_755_771_000)
+    clock = FakeClock(1_755_771_000)
     w = RankWriter(str(tmp_path), "job", 0, 5000, clock=clock)
     chunk = lines(1024 * 11, 1024)  # 11 MiB in one write: one file overshoots
     w.write(chunk)
@@ -105,7 +100,7 @@ def symlinked_rank_dir(tmp_path):
     elsewhere.mkdir()
     (tmp_path / "root" / "job").mkdir(parents=True)
     (tmp_path / "root" / "job" / "2").symlink_to(elsewhere)
-    return RankWriter(str(tmp_path / "root"), "job", 2, 5000, clock=Clock()), elsewhere
+    return RankWriter(str(tmp_path / "root"), "job", 2, 5000, clock=FakeClock(T0)), elsewhere
 
 
 def test_symlinked_rank_dir_is_refused(tmp_path):
@@ -123,21 +118,21 @@ def test_symlinked_newest_file_is_not_followed(tmp_path):
     target = tmp_path / "target"
     target.write_bytes(b"")
     (rank_dir / "1755771234").symlink_to(target)  # the name the writer would create now
-    w = RankWriter(str(tmp_path), "job", 0, 5000, clock=Clock())
+    w = RankWriter(str(tmp_path), "job", 0, 5000, clock=FakeClock(T0))
     assert w.write(b"a\n") == 0
     assert target.read_bytes() == b""
     assert w.stats()["write_errors"] == 1
 
 
 def test_rank_path_longer_than_1024_is_refused(tmp_path):
-    w = RankWriter(str(tmp_path), "j" * 1100, 0, 5000, clock=Clock())
+    w = RankWriter(str(tmp_path), "j" * 1100, 0, 5000, clock=FakeClock(T0))
     assert w.write(b"a\n") == 0
     assert w.stats()["write_errors"] == 1
     assert os.listdir(tmp_path) == []
 
 
 def test_limit_writes_whole_lines_that_fit_then_drops_and_counts(tmp_path):
-    w = RankWriter(str(tmp_path), "job", 0, 1, clock=Clock())  # 1 MiB
+    w = RankWriter(str(tmp_path), "job", 0, 1, clock=FakeClock(T0))  # 1 MiB
     limit = 1024 * 1024
     assert w.write(lines(10000, 100)) == 10000 * 100  # 1,000,000 bytes
     assert w.write(lines(1000, 100)) == (limit - 1_000_000) // 100 * 100  # 485 lines fit
@@ -154,7 +149,7 @@ def test_limit_writes_whole_lines_that_fit_then_drops_and_counts(tmp_path):
 
 
 def test_limit_zero_never_writes(tmp_path):
-    w = RankWriter(str(tmp_path), "job", 0, 0, clock=Clock())
+    w = RankWriter(str(tmp_path), "job", 0, 0, clock=FakeClock(T0))
     assert w.write(b"a\nb\n") == 0
     assert w.stats()["records_dropped_limit"] == 2
     assert not (tmp_path / "job").exists()
@@ -164,7 +159,7 @@ def test_limit_counts_only_this_processes_bytes(tmp_path):
     rank_dir = tmp_path / "job" / "0"
     rank_dir.mkdir(parents=True)
     (rank_dir / "1700000000").write_bytes(b"x" * (2 * 1024 * 1024))  # someone else's 2 MiB
-    w = RankWriter(str(tmp_path), "job", 0, 1, clock=Clock())
+    w = RankWriter(str(tmp_path), "job", 0, 1, clock=FakeClock(T0))
     assert w.write(b"a\n") == 2
 
 
@@ -175,7 +170,7 @@ def test_unwritable_root_is_counted_not_raised(tmp_path, caplog):
     try:
         if os.access(root, os.W_OK):
             pytest.skip("running as root: permissions are not enforced")
-        w = RankWriter(str(root), "job", 0, 5000, clock=Clock())
+        w = RankWriter(str(root), "job", 0, 5000, clock=FakeClock(T0))
         with caplog.at_level("WARNING", logger="agent.worker"):
             assert w.write(b"a\nb\n") == 0
             assert w.write(b"c\n") == 0
@@ -188,19 +183,19 @@ def test_unwritable_root_is_counted_not_raised(tmp_path, caplog):
 
 def test_root_that_is_a_file_is_counted_not_raised(tmp_path):
     (tmp_path / "file").write_bytes(b"")
-    w = RankWriter(str(tmp_path / "file"), "job", 0, 5000, clock=Clock())
+    w = RankWriter(str(tmp_path / "file"), "job", 0, 5000, clock=FakeClock(T0))
     assert w.write(b"a\n") == 0
     assert w.stats()["write_errors"] == 1
 
 
 def test_unwritable_procfs_root_is_counted_not_raised():
-    w = RankWriter("/proc/self/npu-agent-profiling", "job", 0, 5000, clock=Clock())
+    w = RankWriter("/proc/self/npu-agent-profiling", "job", 0, 5000, clock=FakeClock(T0))
     assert w.write(b"a\n") == 0
     assert w.stats()["write_errors"] == 1 and w.stats()["records_dropped_error"] == 1
 
 
 def test_read_only_file_system_error_during_write(tmp_path, monkeypatch):
-    w = RankWriter(str(tmp_path), "job", 0, 5000, clock=Clock())
+    w = RankWriter(str(tmp_path), "job", 0, 5000, clock=FakeClock(T0))
 
     def erofs(fd, data):
         raise OSError(errno.EROFS, "Read-only file system")
@@ -216,7 +211,7 @@ def test_read_only_file_system_error_during_write(tmp_path, monkeypatch):
 
 def test_write_error_log_is_rate_limited(tmp_path, monkeypatch, caplog):
     mono = [1000.0]
-    w = RankWriter(str(tmp_path), "job", 0, 5000, clock=Clock(), monotonic=lambda: mono[0])
+    w = RankWriter(str(tmp_path), "job", 0, 5000, clock=FakeClock(T0), monotonic=lambda: mono[0])
 
     def enospc(data):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -235,7 +230,7 @@ def test_write_error_log_is_rate_limited(tmp_path, monkeypatch, caplog):
 
 
 def test_empty_write_is_a_no_op(tmp_path):
-    w = RankWriter(str(tmp_path), "job", 0, 5000, clock=Clock())
+    w = RankWriter(str(tmp_path), "job", 0, 5000, clock=FakeClock(T0))
     assert w.write(b"") == 0
     assert not (tmp_path / "job").exists()
 
@@ -297,7 +292,7 @@ def run_both(tmp_path, limit_mb: int, steps, prepare=None) -> dict:
         root = tmp_path / ("direct" if direct else "bytes")
         if prepare is not None:
             prepare(root)
-        clock = Clock(1_755_771_000)
+        clock = FakeClock(1_755_771_000)
         w = RankWriter(str(root), "job", 0, limit_mb, clock=clock)
         returned = []
         for step in steps:
@@ -347,7 +342,7 @@ def test_write_from_refuses_a_symlinked_rank_dir_and_drops_the_batch(tmp_path):
 
 
 def test_write_from_counts_a_failed_write_and_goes_on(tmp_path, monkeypatch, caplog):
-    w = RankWriter(str(tmp_path), "job", 0, 1, clock=Clock())  # 1 MiB
+    w = RankWriter(str(tmp_path), "job", 0, 1, clock=FakeClock(T0))  # 1 MiB
 
     def erofs(fd, data):
         raise OSError(errno.EROFS, "Read-only file system")
@@ -366,6 +361,6 @@ def test_write_from_counts_a_failed_write_and_goes_on(tmp_path, monkeypatch, cap
 
 
 def test_write_from_with_nothing_waiting_touches_nothing(tmp_path):
-    w = RankWriter(str(tmp_path), "job", 0, 5000, clock=Clock())
+    w = RankWriter(str(tmp_path), "job", 0, 5000, clock=FakeClock(T0))
     assert w.write_from(LinesSource()) == 0
     assert not (tmp_path / "job").exists()

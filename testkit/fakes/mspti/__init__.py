@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-from tests.fakes.cc import FLAGS, build_shared_library
+from testkit.fakes.cc import FLAGS, build_shared_library
 
 _HERE = Path(__file__).resolve().parent
 _DEPENDS = (_HERE / "mspti_abi.h", Path(__file__).resolve())

@@ -1,6 +1,6 @@
 """A stand-in training process: `agent.worker` on the fake libmspti, driven over stdin/stdout.
 
-Run as ``python -m tests.fakes.mspti.trainer --rank N [--give-up S] [--register-delays 0,1,...]``
+Run as ``python -m testkit.fakes.mspti.trainer --rank N [--give-up S] [--register-delays 0,1,...]``
 with the fake's directory in ``LD_LIBRARY_PATH`` (the worker finds ``libmspti.so`` there and this
 process loads the same instance to emit records). It calls ``init_taskd_worker(N)`` and
 ``start_taskd_worker()`` exactly as a training script does, so the worker reads its switch file
@@ -30,7 +30,7 @@ import sys
 import threading
 from pathlib import Path
 
-from tests.fakes.tasknet.driver import REPO, PeerProcess
+from testkit.fakes.tasknet.driver import REPO, PeerProcess
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import agent.worker as worker
     from agent.worker import tasknet
-    from tests.fakes.mspti import load_fake_mspti
+    from testkit.fakes.mspti import load_fake_mspti
 
     overrides = {}
     if args.give_up is not None:
@@ -100,7 +100,7 @@ class Trainer(PeerProcess):
             args += ["--give-up", str(give_up)]
         if register_delays is not None:
             args += ["--register-delays", ",".join(str(d) for d in register_delays)]
-        super().__init__(args, env, name=f"trainer rank {rank}", module="tests.fakes.mspti.trainer",
+        super().__init__(args, env, name=f"trainer rank {rank}", module="testkit.fakes.mspti.trainer",
                          inherit_env=False, stderr_lines=None)
         self.rank = rank
         self._next_id = 0

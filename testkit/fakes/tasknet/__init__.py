@@ -1,6 +1,6 @@
 """Stand-ins for TaskD's own TaskNet peers: a manager (Mgr) and workers/agents.
 
-Each peer runs as a separate process (``python -m tests.fakes.tasknet.peer``) with its own
+Each peer runs as a separate process (``python -m testkit.fakes.tasknet.peer``) with its own
 environment, speaking real gRPC on real sockets, and is driven over stdin/stdout JSON lines by
 ``driver.PeerProcess``.  Behaviour follows TaskD's net layer as its code behaves, including where it
 is unkind: exact-or-"All" rank matching (a list "0,1" matches no rank), one broadcast copy per

@@ -16,7 +16,7 @@ import uuid as uuidlib
 from pathlib import Path
 from typing import Callable, Iterable, Union
 
-REPO = Path(__file__).resolve().parents[3]
+from testkit import REPO
 
 Predicate = Union[str, Callable[[dict], bool]]
 
@@ -63,14 +63,14 @@ def free_port(hosts: Iterable[str] = ("127.0.0.1",), attempts: int = 200) -> int
 
 
 class PeerProcess:
-    """One peer (`python -m tests.fakes.tasknet.peer ...`) and the events it has printed so far.
+    """One peer (`python -m testkit.fakes.tasknet.peer ...`) and the events it has printed so far.
 
     Other stand-ins driven the same way (JSON commands in, one JSON event per stdout line) pass their
     own `module`; `inherit_env=False` runs them with exactly `env`; `stderr_lines=None` keeps all of
     stderr."""
 
     def __init__(self, args: list[str], env: dict | None = None, name: str | None = None, cgroup: Path | None = None,
-                 *, module: str = "tests.fakes.tasknet.peer", inherit_env: bool = True,
+                 *, module: str = "testkit.fakes.tasknet.peer", inherit_env: bool = True,
                  stderr_lines: int | None = 200):
         self.args = list(args)
         self.name = name or " ".join(self.args[:1] + self.args[-4:])

@@ -62,6 +62,7 @@ import grpc
 
 from agent._proto import pubfault_pb2 as pb
 from agent._proto import pubfault_pb2_grpc as pb_grpc
+from testkit.wait import wait_until
 
 log = logging.getLogger(__name__)
 
@@ -374,15 +375,8 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
     def wait_for(self, predicate: Callable[["ClusterdStandIn"], Any], timeout: float = 5.0,
                  interval: float = 0.01) -> Any:
         """Poll predicate(self) until it is truthy and return its value; AssertionError on timeout."""
-        deadline = time.monotonic() + timeout
-        while True:
-            value = predicate(self)
-            if value:
-                return value
-            if time.monotonic() >= deadline:
-                raise AssertionError(f"clusterd stand-in: condition not met within {timeout}s "
-                                     f"({len(self.requests)} requests received)")
-            time.sleep(interval)
+        return wait_until(lambda: predicate(self), timeout,
+                          lambda: f"a clusterd stand-in condition ({len(self.requests)} requests received)", interval)
 
     # ----- the RPC -----
 

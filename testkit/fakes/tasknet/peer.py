@@ -1,10 +1,10 @@
 """Entry point: run one TaskNet peer as its own process, driven by JSON lines on stdin/stdout.
 
-    python -m tests.fakes.tasknet.peer manager --listen HOST:PORT
-    python -m tests.fakes.tasknet.peer worker --proxy HOST:PORT --server-rank N --process-rank M
+    python -m testkit.fakes.tasknet.peer manager --listen HOST:PORT
+    python -m testkit.fakes.tasknet.peer worker --proxy HOST:PORT --server-rank N --process-rank M
                                               [--role Worker|Agent] [--retry-interval 0.2]
 
-The command and event protocol is described in ``tests/fakes/tasknet/__init__.py``.
+The command and event protocol is described in ``testkit/fakes/tasknet/__init__.py``.
 Logs go to stderr; stdout carries only events.
 """
 
@@ -21,7 +21,7 @@ from .wire import Pos
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m tests.fakes.tasknet.peer")
+    parser = argparse.ArgumentParser(prog="python -m testkit.fakes.tasknet.peer")
     roles = parser.add_subparsers(dest="kind", required=True)
     mgr = roles.add_parser("manager", help="a TaskD manager (Mgr, level 3): a TaskNet server")
     mgr.add_argument("--listen", required=True, help="HOST:PORT (port 0 picks one; see the ready event)")

@@ -12,29 +12,12 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Callable
 
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05):
-    """Poll `predicate` until it returns something truthy; fail with `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    last_error = None
-    while True:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except Exception as exc:  # the agent may not be listening yet
-            last_error = exc
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}" +
-                                 (f" (last error: {last_error!r})" if last_error else ""))
-        time.sleep(interval)
+from testkit import REPO
+from testkit.wait import wait_until
 
 
 class AgentProcess:
@@ -79,7 +62,8 @@ class AgentProcess:
         def find():
             return next((r for r in list(self.logs) if r.get("msg") == message
                          and all(r.get(k) == v for k, v in fields.items())), None)
-        return wait_until(find, timeout, f"log line {message!r} {fields or ''}\n{''.join(self.raw_stderr[-20:])}")
+        return wait_until(find, timeout,
+                          lambda: f"log line {message!r} {fields or ''}\n{''.join(self.raw_stderr[-20:])}")
 
     def stop(self, timeout: float = 10.0) -> float:
         """SIGTERM, and how long the agent took to exit (it must exit 0 within `timeout`)."""
