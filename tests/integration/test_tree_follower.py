@@ -7,7 +7,6 @@ import asyncio
 import logging
 import os
 import shutil
-import time
 
 from agent.common.pool import DaemonPool
 from agent.fstree.events import CLOSED, DIR_GONE, DIR_NEW, LAST_GONE
