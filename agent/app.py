@@ -8,12 +8,13 @@ One concurrency rule: the agent's work runs on one asyncio loop, and every call 
 in one executor (agent.common.executor), in a lane per purpose. A lane's first number is how many
 of its calls run at once, the second how many calls abandoned by their callers (stuck: a hung
 driver or file system) it keeps apart so that its other calls go on:
-- driver: 4 at once (a poll round of 16 NPUs is four waves of short ioctls; a slow device holds one),
-  and one stuck call per device (the monitor refuses a device's next call while one is stuck)
-  plus open/subscribe/close;
+- driver: 2 at once (a poll round is short ioctls, which the device plugin makes one after another;
+  two, so that one slow device does not hold up the others), and one stuck call per device (the
+  monitor refuses a device's next call while one is stuck) plus open/subscribe/close;
 - fault-log: 1, 0 (the fault log, its cursors and the escalation history are written in order,
   and a write is waited for, never abandoned);
-- rule-files, datatrace: 1, 0 (a pass that is stuck makes the next one wait);
+- rule-files, datatrace: 1, 0 (while a read or a pass is stuck, the next is refused at once: the
+  task retries with backoff, and /readyz says why);
 - kube: one per watch (a watch holds its thread for up to watch_timeout_seconds) + 2 for lists
   and the device-info ConfigMap;
 - taskd-peers: 2 (/proc walks identifying processes that connect);
@@ -50,7 +51,7 @@ from agent.model import PodsOf, no_pods
 log = logging.getLogger(__name__)
 
 MAX_DEVICES = 64  # devices.simulated's bound, and more NPUs than any node has
-DRIVER_LANE = (4, MAX_DEVICES + 3)
+DRIVER_LANE = (2, MAX_DEVICES + 3)
 HUB_KEEP = 4096  # changes kept in memory for stream subscribers that resume
 MIB = 1 << 20  # TaskD's "MB" is a MiB
 EXIT_OK, EXIT_RUNTIME = 0, 1
@@ -227,6 +228,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None, backend: Devi
         return EXIT_RUNTIME
     # Everything built so far lives as long as the process: keep it out of the collector's full
     # passes, which otherwise walk every gRPC and protobuf object (a ~65 ms pause on a small node).
+    gc.collect()  # the start's garbage first, or it would be kept for good
     gc.freeze()
     if on_started is not None:
         on_started(app)

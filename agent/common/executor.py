@@ -7,8 +7,9 @@ threads at exit). Threads start on demand and end after `idle_s` without work, s
 holds only the threads its steady work uses.
 
 A lane runs at most `limit` of its calls at once; the rest wait in order. A purpose whose calls
-hang therefore fills its own lane and no other. A call whose caller gave up on it (`run` with a
-`timeout`) is *stuck*: it keeps its thread until it returns, is counted, and further calls with
+hang therefore fills its own lane and no other. `run` takes a time-out that counts from the call's
+start (a call that waited as long for its turn is dropped unrun). A call whose caller gave up on
+it after it started is *stuck*: it keeps its thread until it returns, is counted, and further calls with
 the same `key` are refused at once until it does. Up to `stuck_limit` stuck calls leave the lane's
 running count, so the lane's other calls go on (one stuck driver call per device must not stop the
 reads of the others); past that a stuck call keeps its slot, and the lane fills up and stalls
@@ -18,7 +19,9 @@ instead of growing. The executor's threads are bounded by the sum of every lane'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+import time
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Hashable
@@ -41,11 +44,12 @@ def _outcome_not_wanted(waiter: asyncio.Future) -> None:
 
 
 class _Call:
-    __slots__ = ("future", "fn", "args", "lane", "key", "stuck", "finished")
+    __slots__ = ("future", "fn", "args", "lane", "key", "stuck", "started", "finished")
 
     def __init__(self, future: Future, fn: Callable, args: tuple, lane: "Lane", key: Hashable | None):
         self.future, self.fn, self.args, self.lane, self.key = future, fn, args, lane, key
         self.stuck = False
+        self.started: float | None = None  # time.monotonic() when a thread took it
         self.finished = False  # returned (its slot is free); the future is set just after
 
 
@@ -79,18 +83,25 @@ class Lane(ThreadPoolExecutor):
         return self._executor.submit(self, fn, args, None)
 
     async def run(self, fn: Callable, *args, timeout: float | None = None, key: Hashable | None = None):
-        """`fn(*args)` in a thread of this lane. After `timeout` seconds raise CallTimeout: a call
-        still waiting for its turn is dropped, one running is left stuck (see the module's doc).
-        StillStuck at once while an earlier call with the same `key` is stuck."""
+        """`fn(*args)` in a thread of this lane. CallTimeout when it has not started within `timeout`
+        seconds (it is dropped: it waited behind slower calls), or started and ran that long (it is
+        left stuck, see the module's doc). StillStuck at once while an earlier call with the same
+        `key` is stuck."""
         executor = self._executor
         call = executor.call(self, fn, args, key)
         waiter = asyncio.wrap_future(call.future)
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter), timeout)
-        except TimeoutError:
+            if timeout is None:
+                return await waiter
+            with contextlib.suppress(TimeoutError):
+                return await asyncio.wait_for(asyncio.shield(waiter), timeout)
+            left = call.started + timeout - time.monotonic() if call.started is not None else 0.0
+            if left > 0:  # it waited for its turn first: its own time counts from its start
+                with contextlib.suppress(TimeoutError):
+                    return await asyncio.wait_for(asyncio.shield(waiter), left)
             if executor.give_up(call):
                 waiter.add_done_callback(_outcome_not_wanted)
-                raise CallTimeout(f"{self.purpose}: no answer within {timeout:g}s") from None
+                raise CallTimeout(f"{self.purpose}: no answer within {timeout:g}s")
             return await waiter  # it finished just now
         except asyncio.CancelledError:
             executor.drop(call)
@@ -258,6 +269,7 @@ class Executor:
             ran = call.future.set_running_or_notify_cancel()
             if ran:
                 thread.name = f"{self.name}-{worker.number}:{call.lane.purpose}"
+                call.started = time.monotonic()
                 try:
                     result, failed = call.fn(*call.args), False
                 except BaseException as exc:  # handed to the waiter, never lost

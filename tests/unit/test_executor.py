@@ -7,6 +7,7 @@ import asyncio
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -168,3 +169,16 @@ def test_a_thread_the_kernel_refuses_is_not_counted_so_the_lane_works_once_it_ma
                           capture_output=True, text=True, timeout=30)
     assert "refused: can't start new thread" in done.stdout, done.stdout + done.stderr
     assert "after: ran" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_calls_time_out_counts_from_its_start_not_from_its_wait_for_a_turn():
+    async def body():
+        executor = Executor()
+        lane = executor.lane("driver", 1)
+        # The second call waits 0.6 s for the first, then runs 0.6 s: 1.2 s in all, each within its 1 s.
+        calls = [asyncio.ensure_future(lane.run(time.sleep, 0.6, timeout=1.0)) for _ in range(2)]
+        assert await asyncio.gather(*calls) == [None, None]
+        assert lane.counters["timeouts"] == 0
+        executor.close()
+
+    asyncio.run(body())
