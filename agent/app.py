@@ -45,7 +45,7 @@ from agent.faults.service import FaultService
 from agent.grpc_server import GrpcServer
 from agent.http import HttpEndpoint
 from agent.lifecycle import STOP_BUDGET_S, Readiness, Supervisor
-from agent.metrics import AgentCollector, make_registry
+from agent.metrics import AgentCollector, ExecutorCollector, make_registry
 from agent.model import PodsOf, no_pods
 
 log = logging.getLogger(__name__)
@@ -189,8 +189,8 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     first = [attribution] if attribution else []
     rest = [*servers, *sinks, faults, monitor, *([node_pods] if node_pods and node_pods.subscribed else []), *profiling]
     readiness = Readiness([*first, *rest])  # the endpoint that answers /readyz is ready by answering
-    collectors.insert(0, AgentCollector(node, monitor, faults, hub, fault_log, sinks, readiness.ready_by_component,
-                                        pods_of))
+    collectors[:0] = [AgentCollector(node, monitor, faults, hub, fault_log, sinks, readiness.ready_by_component,
+                                     pods_of), ExecutorCollector(node, executor)]
     http = HttpEndpoint(config.http.listen, make_registry(*collectors), readiness.check)
     supervisor = Supervisor([*first, http, *rest])
     return App(config, executor, supervisor, readiness, hub, fault_log, faults, monitor, http, servers[0], pods_of,

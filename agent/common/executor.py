@@ -9,8 +9,8 @@ holds only the threads its steady work uses.
 A lane runs at most `limit` of its calls at once; the rest wait in order. A purpose whose calls
 hang therefore fills its own lane and no other. `run` takes a time-out that counts from the call's
 start (a call that waited as long for its turn is dropped unrun). A call whose caller gave up on
-it after it started is *stuck*: it keeps its thread until it returns, is counted, and further calls with
-the same `key` are refused at once until it does. Up to `stuck_limit` stuck calls leave the lane's
+it after it started is *stuck*: it keeps its thread until it returns, is counted, and further
+calls with the same `key` are refused at once until it does. Up to `stuck_limit` stuck calls leave the lane's
 running count, so the lane's other calls go on (one stuck driver call per device must not stop the
 reads of the others); past that a stuck call keeps its slot, and the lane fills up and stalls
 instead of growing. The executor's threads are bounded by the sum of every lane's two limits.
@@ -66,7 +66,7 @@ class Lane(ThreadPoolExecutor):
     """One purpose's share of the executor. A ThreadPoolExecutor in type only (asyncio's
     `set_default_executor` insists on it); `submit` returns a concurrent Future, like DaemonPool."""
 
-    def __init__(self, executor: "Executor", purpose: str, limit: int, stuck_limit: int):  # noqa: super() not called
+    def __init__(self, executor: "Executor", purpose: str, limit: int, stuck_limit: int):  # no super().__init__
         self._executor = executor
         self.purpose = purpose
         self.limit = limit
@@ -79,8 +79,8 @@ class Lane(ThreadPoolExecutor):
 
     def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
         if kwargs:
-            return self._executor.submit(self, lambda: fn(*args, **kwargs), (), None)
-        return self._executor.submit(self, fn, args, None)
+            return self._executor.call(self, lambda: fn(*args, **kwargs), (), None).future
+        return self._executor.call(self, fn, args, None).future
 
     async def run(self, fn: Callable, *args, timeout: float | None = None, key: Hashable | None = None):
         """`fn(*args)` in a thread of this lane. CallTimeout when it has not started within `timeout`
@@ -109,7 +109,7 @@ class Lane(ThreadPoolExecutor):
             raise
 
     def close(self) -> None:
-        """Drop this lane's waiting calls (a component that stops); running ones finish or stay stuck."""
+        """Fail this lane's waiting calls (a component that stops); running ones finish or stay stuck."""
         self._executor.drop_waiting(self)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -148,9 +148,6 @@ class Executor:
     @property
     def max_threads(self) -> int:
         return sum(lane.limit + lane.stuck_limit for lane in self.lanes)
-
-    def submit(self, lane: Lane, fn: Callable, args: tuple, key: Hashable | None) -> Future:
-        return self.call(lane, fn, args, key).future
 
     def call(self, lane: Lane, fn: Callable, args: tuple, key: Hashable | None) -> _Call:
         """Queue `fn(*args)` in `lane` and start it if the lane has room. RuntimeError when closed, or
@@ -202,17 +199,18 @@ class Executor:
                 self._forget(call)
 
     def drop_waiting(self, lane: Lane) -> None:
+        """Waiting calls fail with RuntimeError (cancelling them would look, to the task awaiting one,
+        as if that task had been cancelled)."""
         with self._lock:
             while lane.waiting:
-                lane.waiting.popleft().future.cancel()
+                lane.waiting.popleft().future.set_exception(RuntimeError(f"{lane.purpose}: closed"))
 
     def close(self) -> None:
         """Idle threads end now, busy ones after their call; a stuck one ends with the process."""
         with self._lock:
             self._closed = True
             for lane in self._lanes.values():
-                while lane.waiting:
-                    lane.waiting.popleft().future.cancel()
+                self.drop_waiting(lane)
             idle, self._idle = self._idle, []
         for worker in idle:
             worker.wake.set()

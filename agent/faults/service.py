@@ -5,9 +5,9 @@ loop), the escalation history in `state_dir`, and the timer that lets time-based
 new input.
 
 Changes reach the hub and the sinks only once they are in the durable fault log. The writer task
-appends them off the event loop (the latest state of each changed device waits here meanwhile),
-then hands them on. While the log cannot be written (disk full, read-only), the write is retried
-with backoff; /readyz says so, and nothing is published out of order.
+appends them, in order, off the event loop, then hands them on. While the log cannot be written
+(disk full, read-only), the latest state of each changed device waits here and the write is
+retried with backoff; /readyz says so, and nothing is published out of order.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ class FaultService:
 
     def _publish(self, changes: list[DeviceState]) -> None:
         for state in changes:
-            previous = self._newest.get(state.phy_id)
+            previous = self._newest.get(state.phy_id, self._hub.latest(state.phy_id))
             self._newest[state.phy_id] = state
             quiet = not state.faulty and (previous is None or not previous.faulty)
             (log.debug if quiet else log.info)("device fault state changed", extra={

@@ -117,8 +117,8 @@ class Job:
 class TaskdProxy:
     name = "taskd_proxy"
 
-    def __init__(self, listen: str, manager_port: int, *, peers: Lane, dial_timeout_s: float = 5.0, hold_s: float = 60.0,
-                 queue_limit: int = 1024, job_bytes: int = 32 << 20, node_bytes: int = 64 << 20,
+    def __init__(self, listen: str, manager_port: int, *, peers: Lane, dial_timeout_s: float = 5.0,
+                 hold_s: float = 60.0, queue_limit: int = 1024, job_bytes: int = 32 << 20, node_bytes: int = 64 << 20,
                  resolver: PeerResolver | None = None, clock=time.monotonic):
         self._listen = listen
         self._manager_port = manager_port

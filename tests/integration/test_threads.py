@@ -46,6 +46,7 @@ def test_an_idle_agent_runs_few_threads(start_agent):
     grpc_c, others = threads(agent.process.pid)
     assert len(grpc_c) <= GRPC_C_THREADS, grpc_c
     assert len(others) <= OTHER_THREADS, others
+    assert agent.metric("npu_agent_executor_threads") <= DRIVER_LANE[0] + 1
 
 
 def test_every_read_hanging_holds_one_thread_per_device_and_sigterm_still_ends_the_agent(start_agent):
@@ -54,8 +55,12 @@ def test_every_read_hanging_holds_one_thread_per_device_and_sigterm_still_ends_t
     # Each device's read is stuck once (its next ones are refused at once), in threads of its own.
     wait_until(lambda: (agent.metric("npu_agent_driver_call_timeouts_total") or 0) >= CARDS, 20,
                "a stuck read for every device")
+    wait_until(lambda: agent.metric("npu_agent_executor_calls", lane="driver", state="stuck") == CARDS, 20,
+               "one stuck read per device")
     start = polls(agent)
     wait_until(lambda: polls(agent) >= start + 4 * CARDS, 20, "four more poll rounds")
+    assert agent.metric("npu_agent_executor_calls", lane="driver", state="stuck") == CARDS  # not one more
+    assert agent.metric("npu_agent_executor_calls_refused_total", lane="driver") >= 4 * CARDS
     _, others = threads(agent.process.pid)
     assert len(others) <= OTHER_THREADS + CARDS, others
     assert agent.http("/healthz")[0] == 200
