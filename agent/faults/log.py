@@ -92,9 +92,11 @@ class SinkEntry:
 
 
 class FaultLog:
-    def __init__(self, directory: Path, keep_recent: int = 4096, fsync: bool = True, lane: Lane | None = None):
+    def __init__(self, directory: Path, keep_recent: int = 4096, fsync: bool = True, lane: Lane | None = None,
+                 slow_write_s: float = SLOW_WRITE_S):
         self._dir = Path(directory)
         self._lane = lane  # where the *_async methods write
+        self._slow_write_s = slow_write_s
         self._busy = asyncio.Lock()  # one *_async operation at a time: revisions are assigned in order
         self.stalled = ""  # why the fault log is not writing, while a write is slow
         self._path = self._dir / "log"
@@ -282,9 +284,9 @@ class FaultLog:
         """`fn(*args)` in the fault log's lane, waited for however long it takes (see the module's doc)."""
         future = asyncio.wrap_future(self._lane.submit(fn, *args))
         try:
-            return await asyncio.wait_for(asyncio.shield(future), SLOW_WRITE_S)
+            return await asyncio.wait_for(asyncio.shield(future), self._slow_write_s)
         except TimeoutError:
-            self.stalled = f"a write under {self._dir} has not returned for {SLOW_WRITE_S:g} s (disk hung?)"
+            self.stalled = f"a write under {self._dir} has not returned for {self._slow_write_s:g} s (disk hung?)"
             log.error("fault log write is not returning; waiting for it", extra={"path": str(self._dir)})
         try:
             return await future
