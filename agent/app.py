@@ -1,8 +1,28 @@
 """The composition root: every component the configuration enables, built once, in dependency order.
 
-Read top to bottom: the fault pipeline (log, hub, sinks, rules, devices), then the node's pods, the
-profiling hostPaths, the TaskD proxy, and last the endpoints that report on all of them. Nothing is
-rewired after construction; `serve` runs the result until SIGTERM.
+Read top to bottom: the executor for blocking calls, the fault pipeline (log, hub, sinks, rules,
+devices), then the node's pods, the profiling hostPaths, the TaskD proxy, and last the endpoints that
+report on all of them. Nothing is rewired after construction; `serve` runs the result until SIGTERM.
+
+One concurrency rule: the agent's work runs on one asyncio loop, and every call that can block runs
+in one executor (agent.common.executor), in a lane per purpose. A lane's first number is how many
+of its calls run at once, the second how many calls abandoned by their callers (stuck: a hung
+driver or file system) it keeps apart so that its other calls go on:
+- driver: 2 at once (a poll round is short ioctls, which the device plugin makes one after another;
+  two, so that one slow device does not hold up the others), and one stuck call per device (the
+  monitor refuses a device's next call while one is stuck) plus open/subscribe/close;
+- fault-log: 1, 0 (the fault log, its cursors and the escalation history are written in order,
+  and a write is waited for, never abandoned);
+- rule-files, datatrace: 1, 0 (while a read or a pass is stuck, the next is refused at once: the
+  task retries with backoff, and /readyz says why);
+- kube: one per watch (a watch holds its thread for up to watch_timeout_seconds) + 2 for lists
+  and the device-info ConfigMap;
+- disk-guard, profiling-tailer: 1 each (walks and reads of the profiling tree, in order; neither
+  waits behind the other or behind the driver);
+- taskd-peers: 2 (/proc walks identifying processes that connect);
+- default: 2 (asyncio's default executor, e.g. getaddrinfo).
+Threads start on demand and end after a minute without work, so an idle agent holds the few the
+device polls use; the bound on threads is the sum of the lanes' numbers.
 """
 
 from __future__ import annotations
@@ -17,6 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 from agent import __version__
+from agent.common.executor import Executor
 from agent.config import Config
 from agent.devices.base import DeviceBackend
 from agent.devices.monitor import DeviceMonitor
@@ -25,12 +46,14 @@ from agent.faults.log import FaultLog
 from agent.faults.service import FaultService
 from agent.grpc_server import GrpcServer
 from agent.http import HttpEndpoint
-from agent.lifecycle import Readiness, Supervisor
-from agent.metrics import AgentCollector, make_registry
+from agent.lifecycle import STOP_BUDGET_S, Readiness, Supervisor
+from agent.metrics import AgentCollector, ExecutorCollector, make_registry
 from agent.model import PodsOf, no_pods
 
 log = logging.getLogger(__name__)
 
+MAX_DEVICES = 64  # devices.simulated's bound, and more NPUs than any node has
+DRIVER_LANE = (2, MAX_DEVICES + 3)
 HUB_KEEP = 4096  # changes kept in memory for stream subscribers that resume
 MIB = 1 << 20  # TaskD's "MB" is a MiB
 EXIT_OK, EXIT_RUNTIME = 0, 1
@@ -39,6 +62,7 @@ EXIT_OK, EXIT_RUNTIME = 0, 1
 @dataclass(frozen=True)
 class App:
     config: Config
+    executor: Executor
     supervisor: Supervisor
     readiness: Readiness
     hub: FaultHub
@@ -71,9 +95,13 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     no import: the Kubernetes client, the profiling followers and the proxy load only when enabled."""
     node, state_dir, kube = config.node_name, Path(config.state_dir), config.kubernetes
     collectors = []
+    executor = Executor()
+    wants_jobs = kube.enabled and (config.profiling.metrics or config.taskd_proxy.enabled)
+    watches = int(wants_jobs or config.datatrace.enabled) + int(config.datatrace.enabled)  # pods, configmaps
+    kube_lane = executor.lane("kube", watches + 2)
 
     # The fault pipeline: durable log -> hub (current state, stream fan-out) -> sinks.
-    fault_log = FaultLog(state_dir / "faultlog")
+    fault_log = FaultLog(state_dir / "faultlog", lane=executor.lane("fault-log"))
     fault_log.open()
     recent = fault_log.changes_after(max(0, fault_log.revision - HUB_KEEP)) or []
     hub = FaultHub(node, keep=HUB_KEEP, epoch=fault_log.epoch, history=recent, latest=fault_log.latest())
@@ -94,24 +122,23 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     if kube.enabled and kube.device_info_configmap:
         from agent.sinks.configmap.sink import DeviceInfoConfigMapSink
 
-        sinks.append(DeviceInfoConfigMapSink(node, hub, lambda: hub.chip_name, clock=clock))
+        sinks.append(DeviceInfoConfigMapSink(node, hub, lambda: hub.chip_name, kube=kube_lane, clock=clock))
 
     listeners = [*([attribution.refresh_soon] if attribution else []), *(sink.notify for sink in sinks)]
-    faults = FaultService(config.faults, config.state_dir, fault_log, hub, listeners=listeners,
-                          once_hold_s=config.devices.poll_interval_seconds, clock=clock)
-    monitor = DeviceMonitor(backend or make_backend(config, clock), faults,
+    faults = FaultService(config.faults, config.state_dir, fault_log, hub, files=executor.lane("rule-files"),
+                          listeners=listeners, once_hold_s=config.devices.poll_interval_seconds, clock=clock)
+    monitor = DeviceMonitor(backend or make_backend(config, clock), faults, calls=executor.lane("driver", *DRIVER_LANE),
                             poll_interval_s=config.devices.poll_interval_seconds,
                             call_timeout_s=config.devices.call_timeout_seconds, clock=clock)
     servers = [GrpcServer(config.grpc.listen, hub, pods_of)]
 
     # One watch of this node's pods for whoever needs them (job labels, datatrace, the proxy's pod check).
     node_pods = jobs = None
-    wants_jobs = kube.enabled and (config.profiling.metrics or config.taskd_proxy.enabled)
     if wants_jobs or config.datatrace.enabled:
         from agent.kube.client import core_api
         from agent.kube.pods import NodePods
 
-        node_pods = NodePods(node, core_api, kube.watch_timeout_seconds)
+        node_pods = NodePods(node, core_api, kube_lane, kube.watch_timeout_seconds)
     if wants_jobs:
         from agent.kube.jobs import JobDirectory
 
@@ -123,7 +150,8 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
         from agent.diskguard.guard import DiskGuard
         from agent.diskguard.metrics import DiskGuardCollector
 
-        guard = DiskGuard(Path(config.profiling.root), config.profiling.disk_limit_mb * MIB)
+        guard = DiskGuard(Path(config.profiling.root), config.profiling.disk_limit_mb * MIB,
+                          executor=executor.lane("disk-guard"))
         collectors.append(DiskGuardCollector(node, guard))
         profiling.append(guard)
     if config.profiling.metrics:
@@ -132,7 +160,8 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
         from agent.steps.tail import ProfilingTailer
 
         steps = StepMetrics(state_dir / "steps.json", job_labels=jobs.labels if jobs else None)
-        tailer = ProfilingTailer(Path(config.profiling.root), state_dir / "profiling-offsets.json", steps)
+        tailer = ProfilingTailer(Path(config.profiling.root), state_dir / "profiling-offsets.json", steps,
+                                 executor=executor.lane("profiling-tailer"))
         collectors.append(StepCollector(node, steps))
         profiling += [steps, tailer]  # the tailer stops first and hands its last lines over
     if config.datatrace.enabled:
@@ -140,7 +169,8 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
         from agent.datatrace.sync import DatatraceSync
         from agent.kube.client import core_api
 
-        datatrace = DatatraceSync(Path(config.datatrace.root), node, core_api, node_pods, kube.watch_timeout_seconds)
+        datatrace = DatatraceSync(Path(config.datatrace.root), node, core_api, node_pods, kube=kube_lane,
+                                  files=executor.lane("datatrace"), watch_timeout_s=kube.watch_timeout_seconds)
         collectors.append(DatatraceCollector(node, datatrace))
         profiling.append(datatrace)
 
@@ -150,7 +180,7 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
         from agent.taskd.proxy import TaskdProxy
 
         proxy_config = config.taskd_proxy
-        proxy = TaskdProxy(proxy_config.listen, proxy_config.manager_port,
+        proxy = TaskdProxy(proxy_config.listen, proxy_config.manager_port, peers=executor.lane("taskd-peers", 2),
                            dial_timeout_s=proxy_config.dial_timeout_seconds, hold_s=proxy_config.hold_seconds,
                            queue_limit=proxy_config.queue_limit, job_bytes=proxy_config.job_buffer_mb << 20,
                            node_bytes=proxy_config.node_buffer_mb << 20, resolver=PeerResolver(jobs=jobs))
@@ -163,11 +193,12 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     first = [attribution] if attribution else []
     rest = [*servers, *sinks, faults, monitor, *([node_pods] if node_pods and node_pods.subscribed else []), *profiling]
     readiness = Readiness([*first, *rest])  # the endpoint that answers /readyz is ready by answering
-    collectors.insert(0, AgentCollector(node, monitor, faults, hub, fault_log, sinks, readiness.ready_by_component,
-                                        pods_of))
+    collectors[:0] = [AgentCollector(node, monitor, faults, hub, fault_log, sinks, readiness.ready_by_component,
+                                     pods_of), ExecutorCollector(node, executor)]
     http = HttpEndpoint(config.http.listen, make_registry(*collectors), readiness.check)
     supervisor = Supervisor([*first, http, *rest])
-    return App(config, supervisor, readiness, hub, fault_log, faults, monitor, http, servers[0], pods_of, guard, steps)
+    return App(config, executor, supervisor, readiness, hub, fault_log, faults, monitor, http, servers[0], pods_of,
+               guard, steps)
 
 
 async def serve(config: Config, stop: asyncio.Event | None = None, backend: DeviceBackend | None = None,
@@ -190,6 +221,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None, backend: Devi
     except OSError as exc:
         log.error("cannot open the fault log in state_dir", extra={"state_dir": config.state_dir, "error": str(exc)})
         return EXIT_RUNTIME
+    loop.set_default_executor(app.executor.lane("default", 2))
     log.info("npu-node-agent starting", extra={"version": __version__, "node": config.node_name,
                                                 "backend": config.devices.backend})
     try:
@@ -200,6 +232,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None, backend: Devi
         return EXIT_RUNTIME
     # Everything built so far lives as long as the process: keep it out of the collector's full
     # passes, which otherwise walk every gRPC and protobuf object (a ~65 ms pause on a small node).
+    gc.collect()  # the start's garbage first, or it would be kept for good
     gc.freeze()
     if on_started is not None:
         on_started(app)
@@ -207,6 +240,10 @@ async def serve(config: Config, stop: asyncio.Event | None = None, backend: Devi
     started = time.monotonic()
     log.info("stopping")
     await app.supervisor.stop()
-    app.fault_log.close()
+    try:  # a hung disk must not hold up the exit
+        await asyncio.wait_for(app.fault_log.close_async(), max(0.1, STOP_BUDGET_S - (time.monotonic() - started)))
+    except TimeoutError:
+        log.warning("the fault log's last revision was not noted: its disk does not answer")
+    app.executor.close()
     log.info("stopped", extra={"seconds": round(time.monotonic() - started, 3)})
     return EXIT_OK

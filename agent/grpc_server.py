@@ -6,7 +6,6 @@ import logging
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from agent.sinks.stream import service as stream
 from agent.common.grpcutil import EXCLUSIVE, bind
@@ -14,6 +13,8 @@ from agent.faults.hub import FaultHub
 from agent.model import PodsOf, no_pods
 
 log = logging.getLogger(__name__)
+
+REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
 
 # Let clients ping as often as every 10 s and keep idle streams open; close connections that stop answering.
 SERVER_OPTIONS = [
@@ -24,6 +25,28 @@ SERVER_OPTIONS = [
     ("grpc.max_concurrent_streams", 128),
     *EXCLUSIVE,
 ]
+
+
+class LazyReflection(grpc.GenericRpcHandler):
+    """Server reflection, loaded when a client first asks for it (grpcurl, an operator): its modules
+    would otherwise cost every agent memory for a tool most nodes never see."""
+
+    def __init__(self, services: list[str]):
+        self._services = services
+        self._handler: grpc.GenericRpcHandler | None = None
+
+    def service(self, details):
+        if not details.method.startswith(f"/{REFLECTION}/"):
+            return None
+        if self._handler is None:
+            from grpc_reflection.v1alpha import reflection, reflection_pb2 as pb
+
+            servicer = reflection.aio.ReflectionServicer(self._services)
+            self._handler = grpc.method_handlers_generic_handler(REFLECTION, {
+                "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                    servicer.ServerReflectionInfo, request_deserializer=pb.ServerReflectionRequest.FromString,
+                    response_serializer=pb.ServerReflectionResponse.SerializeToString)})
+        return self._handler.service(details)
 
 
 class GrpcServer:
@@ -41,8 +64,8 @@ class GrpcServer:
         server = grpc.aio.server(options=SERVER_OPTIONS)
         service = stream.add_to_server(server, self._hub, self._pods)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            [service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+        server.add_generic_rpc_handlers((LazyReflection(
+            [service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, REFLECTION]),))
         self.port = bind(server, self._listen, "grpc.listen")
         await server.start()
         self._server = server

@@ -17,6 +17,7 @@ from agent.devices.monitor import DeviceMonitor
 from agent.faults.hub import FaultHub
 from agent.faults.log import FaultLog
 from agent.faults.service import FaultService
+from agent.common.executor import Executor
 from agent.model import PodsOf, no_pods
 
 POD_LABELS = ("namespace", "pod_name", "container_name")  # npu-exporter's names; empty when the NPU is free
@@ -196,3 +197,35 @@ def make_registry(*collectors) -> CollectorRegistry:
     for collector in collectors:
         registry.register(collector)
     return registry
+
+
+class ExecutorCollector:
+    """The executor for blocking calls (agent.common.executor): its threads and each lane's calls."""
+
+    def __init__(self, node: str, executor: Executor):
+        self._node = node
+        self._executor = executor
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        node, lanes = self._node, self._executor.lanes
+        threads = GaugeMetricFamily("npu_agent_executor_threads", "Threads running blocking calls (driver, files, "
+                                    "Kubernetes client); started on demand, ended after a minute idle", labels=["node"])
+        threads.add_metric([node], self._executor.threads)
+        yield threads
+        calls = GaugeMetricFamily("npu_agent_executor_calls", "Blocking calls by lane and state: running, waiting for "
+                                  "their turn, stuck (given up on by their caller, still holding a thread)",
+                                  labels=["node", "lane", "state"])
+        for lane in lanes:
+            for state, count in (("running", lane.running), ("waiting", len(lane.waiting)), ("stuck", lane.stuck)):
+                calls.add_metric([node, lane.purpose, state], count)
+        yield calls
+        yield _counts("npu_agent_executor_call_timeouts", "Blocking calls whose caller's time-out passed (dropped "
+                      "if not started, else left stuck)", node, "lane",
+                      {lane.purpose: lane.counters["timeouts"] for lane in lanes})
+        yield _counts("npu_agent_executor_calls_refused", "Blocking calls refused at once because an earlier call "
+                      "with the same key (a device, a watch) is still stuck", node, "lane",
+                      {lane.purpose: lane.counters["refused"] for lane in lanes})
+

@@ -47,9 +47,11 @@ asyncio.run(main())
 
 PROXY = r'''
 import asyncio, sys
+from agent.common.executor import Executor
 from agent.taskd.proxy import TaskdProxy
 async def main():
-    p = TaskdProxy("127.0.0.1:0", int(sys.argv[1])); await p.start(); print(p.port, flush=True)
+    p = TaskdProxy("127.0.0.1:0", int(sys.argv[1]), peers=Executor().lane("taskd-peers", 2))
+    await p.start(); print(p.port, flush=True)
     await asyncio.Event().wait()
 asyncio.run(main())
 '''

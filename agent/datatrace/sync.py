@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
+from agent.common.executor import Lane
 from agent.kube.client import KubeUnavailable
 from agent.kube.pods import NodePods
 from agent.kube.watch import ListWatch
@@ -30,14 +31,17 @@ log = logging.getLogger(__name__)
 CONFIGMAP_SELECTOR = "reset=true"
 RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 60.0
+APPLY_TIMEOUT_S = 60.0
 
 
 class DatatraceSync:
     name = "datatrace"
 
-    def __init__(self, root: Path, node: str, api_factory: Callable[[], object], pods: NodePods,
-                 watch_timeout_s: int = 300):
+    def __init__(self, root: Path, node: str, api_factory: Callable[[], object], pods: NodePods, *,
+                 kube: Lane, files: Lane, watch_timeout_s: int = 300):
         self._files = SwitchFiles(root)
+        self._files_lane = files
+        self._kube = kube
         self._node = node
         self._node_pods = pods
         pods.subscribe(pod_info, self._pods_changed)
@@ -72,9 +76,9 @@ class DatatraceSync:
             log.error("datatrace sync cannot reach Kubernetes; switch files are not kept", extra={"error": str(exc)})
             return
         self._configmap_watch = ListWatch("configmaps", api.list_config_map_for_all_namespaces, switch_configmap,
-                                          self._configmaps_changed, loop, timeout_s=self._watch_timeout_s,
+                                          self._configmaps_changed, loop, self._kube, timeout_s=self._watch_timeout_s,
                                           label_selector=CONFIGMAP_SELECTOR)
-        self._configmap_watch.start()
+        self.tasks.start("configmap-watch", self._configmap_watch.run)
         self.tasks.start("sync", self._run, reset=self._dirty.set)  # after a failure: a full pass
         log.info("datatrace sync started", extra={"root": str(self._files.root), "node": self._node})
 
@@ -120,5 +124,8 @@ class DatatraceSync:
                     log.error("profiling switch not flushed", extra={"object": what, "reason": why})
             self._rejected_seen = set(want.rejected)
             synced = self._node_pods.synced and self._configmaps_synced
-            self.last = await asyncio.to_thread(self._files.apply, want.directories, synced)
+            # A pass that does not end in time fails the task (restarted with backoff, on /readyz);
+            # the next pass waits for the stuck one to return (the lane refuses the key meanwhile).
+            self.last = await self._files_lane.run(self._files.apply, want.directories, synced,
+                                                   timeout=APPLY_TIMEOUT_S, key="apply")
             self.passes += 1

@@ -1,9 +1,10 @@
 """The device monitor: listens to the driver's fault events and polls it, off the event loop.
 
 Events give speed; polling gives certainty (it mends lost events, sees codes that raise no event,
-and notices a dropped card). Every driver call runs in a worker thread with a time-out: a call
-that hangs makes the device "unknown", never the agent. A device whose previous call is still
-stuck is not called again until that call returns, so hung calls cannot pile up.
+and notices a dropped card). Every driver call runs in the executor's driver lane with a time-out:
+a call that hangs makes the device "unknown", never the agent. A device whose previous call is
+still stuck is not called again until that call returns (the lane refuses its key at once), so
+hung calls cannot pile up.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Callable, Protocol
 
 from agent.devices.base import BackendError, DeviceBackend
 from agent.model import Assertion, DeviceInfo, DriverEvent, Health, RESET_FINISH_CODE, Reading
-from agent.common.pool import DaemonPool
+from agent.common.executor import CallTimeout, Lane, StillStuck
 from agent.common.errors import Once
 from agent.common.ratelimit import TokenBucket
 from agent.lifecycle import Tasks, spawn
@@ -35,14 +36,10 @@ class FaultObserver(Protocol):
         """Every device was read (or its read failed) once since the start."""
 
 
-class CallTimeout(Exception):
-    pass
-
-
 class DeviceMonitor:
     name = "devices"
 
-    def __init__(self, backend: DeviceBackend, observer: FaultObserver, *, poll_interval_s: float,
+    def __init__(self, backend: DeviceBackend, observer: FaultObserver, *, calls: Lane, poll_interval_s: float,
                  call_timeout_s: float, clock: Callable[[], float] = time.time,
                  event_rate_per_minute: int = 1000, open_retry_s: float = OPEN_RETRY_S):
         self.backend = backend
@@ -53,12 +50,11 @@ class DeviceMonitor:
         self._open_retry_s = open_retry_s
         # The device plugin's limit: 1,000 events a minute, in bursts of up to as many.
         self._bucket = TokenBucket(event_rate_per_minute / 60.0, event_rate_per_minute, time.monotonic)
-        self._executor: DaemonPool | None = None
+        self._calls = calls
         self._loop: asyncio.AbstractEventLoop | None = None
         self.tasks = Tasks(self.name)
         self._inventory_sent = False  # the observer has the devices (steps of `_run` done, for a restart)
         self._subscribed = False
-        self._stuck: set[str] = set()  # calls still blocked in the driver
         self._polls: dict[int, asyncio.Task] = {}  # logic id -> running poll
         self._scheduled: dict[int, asyncio.TimerHandle] = {}
         self._by_logic: dict[int, DeviceInfo] = {}
@@ -76,8 +72,6 @@ class DeviceMonitor:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        # Threads are started on demand; the bound leaves room for every device to have one stuck call.
-        self._executor = DaemonPool(max_threads=72, name="driver")
         self.tasks.start("main", self._run, reset=self._reset)
 
     async def stop(self) -> None:
@@ -91,8 +85,7 @@ class DeviceMonitor:
             await asyncio.wait_for(self._blocking("close", self.backend.close), 2.0)
         except (CallTimeout, asyncio.TimeoutError):
             log.warning("driver close did not return in time")
-        if self._executor is not None:
-            self._executor.close()
+        self._calls.close()
 
     def readiness(self) -> tuple[bool, str]:
         if not self.devices:
@@ -104,19 +97,15 @@ class DeviceMonitor:
     # ---- the driver, off the loop ---------------------------------------------------------------
 
     async def _blocking(self, key: str, fn: Callable, *args, timeout: float | None = None):
-        """Run `fn(*args)` in a worker thread; raise CallTimeout when it takes too long or is still stuck."""
-        if key in self._stuck:
-            raise CallTimeout(f"{key}: the previous call has not returned yet")
-        loop = asyncio.get_running_loop()
-        future = self._executor.submit(fn, *args)
+        """`fn(*args)` in the driver lane; CallTimeout when it takes too long or is still stuck."""
+        timeout = timeout or self._call_timeout_s
         try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)),
-                                          timeout or self._call_timeout_s)
-        except TimeoutError:
+            return await self._calls.run(fn, *args, timeout=timeout, key=key)
+        except StillStuck:
+            raise
+        except CallTimeout:
             self.counters["call_timeouts"] += 1
-            self._stuck.add(key)
-            future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._stuck.discard, key))
-            raise CallTimeout(f"{key}: no answer within {timeout or self._call_timeout_s:g}s") from None
+            raise CallTimeout(f"{key}: no answer within {timeout:g}s") from None
 
     async def _run(self) -> None:
         # After a failure the run goes on from the step that failed: the driver is opened and

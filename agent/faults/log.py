@@ -12,10 +12,17 @@ epoch resynchronises its peer from the current state instead of trusting revisio
 Each sink keeps a cursor, and a small state of its own, in `cursors.json`, advanced only after its
 peer acknowledged; compaction folds only what every sink has passed (and what the stream no longer
 needs for resuming) into the base record. A write that fails raises OSError and changes nothing.
+
+On the event loop the `*_async` methods are used: the state is computed on the loop, the bytes go
+to disk in the fault log's lane of the executor (`lane`), one write at a time and in order. A write
+is never abandoned (one whose outcome is unknown cannot be retried: it may still land), so a slow
+disk is waited for, and `stalled` says so meanwhile. The blocking methods are for the start (before
+anything runs) and for tests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -26,9 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.model import ActiveCode, Change, DeviceState, Health, Level
+from agent.common.executor import Lane
 from agent.common.fsutil import atomic_write, keep_aside, read_state, strict_json
 
 log = logging.getLogger(__name__)
+
+SLOW_WRITE_S = 5.0  # a write that has not returned by then makes the fault log "stalled" until it does
 
 
 def state_to_dict(state: DeviceState) -> dict:
@@ -82,8 +92,13 @@ class SinkEntry:
 
 
 class FaultLog:
-    def __init__(self, directory: Path, keep_recent: int = 4096, fsync: bool = True):
+    def __init__(self, directory: Path, keep_recent: int = 4096, fsync: bool = True, lane: Lane | None = None,
+                 slow_write_s: float = SLOW_WRITE_S):
         self._dir = Path(directory)
+        self._lane = lane  # where the *_async methods write
+        self._slow_write_s = slow_write_s
+        self._busy = asyncio.Lock()  # one *_async operation at a time: revisions are assigned in order
+        self.stalled = ""  # why the fault log is not writing, while a write is slow
         self._path = self._dir / "log"
         self._keep_recent = keep_recent
         self._fsync = fsync
@@ -211,10 +226,33 @@ class FaultLog:
 
         OSError (disk full, read-only, EIO) leaves the log as it was: the file is cut back to its
         last whole record and no revision is used up, so the caller can simply try again."""
-        if not states:
-            return []
+        changes, data = self._encode(states)
+        if changes:
+            self._write_records(data)
+            self._added(changes, data)
+            self._maybe_compact()
+        return changes
+
+    async def append_async(self, states: list[DeviceState]) -> list[Change]:
+        """`append` with the disk I/O off the loop. Cancelling the caller does not cancel the write:
+        it completes (and is accounted for) before the next operation starts."""
+        return await asyncio.shield(self._append_in_order(states))
+
+    async def _append_in_order(self, states: list[DeviceState]) -> list[Change]:
+        async with self._busy:
+            changes, data = self._encode(states)
+            if changes:
+                await self._io(self._write_records, data)
+                self._added(changes, data)
+                await self._compact_async()
+            return changes
+
+    def _encode(self, states: list[DeviceState]) -> tuple[list[Change], bytes]:
         changes = [Change(self.revision + i, state) for i, state in enumerate(states, 1)]
-        data = b"".join(_line({"rev": c.revision, "state": state_to_dict(c.state)}) for c in changes)
+        return changes, b"".join(_line({"rev": c.revision, "state": state_to_dict(c.state)}) for c in changes)
+
+    def _write_records(self, data: bytes) -> None:
+        """Blocking: append whole records to the file, or leave it as it was."""
         try:
             if self._torn:  # what a failed append left could not be cut off then
                 os.truncate(self._path, self._size)
@@ -229,13 +267,33 @@ class FaultLog:
         except OSError:
             self._cut_back()
             raise
+
+    def _added(self, changes: list[Change], data: bytes) -> None:
         self._size += len(data)
         self.revision = changes[-1].revision
         for change in changes:
             self._records.append(change)
             self._latest[change.state.phy_id] = change
-        self._maybe_compact()
-        return changes
+
+    async def save_file(self, path: Path, data: bytes) -> None:
+        """Replace another file of the agent's state (atomic_write), off the loop and in order with the log's writes."""
+        async with self._busy:
+            await self._io(atomic_write, path, data)
+
+    async def _io(self, fn, *args):
+        """`fn(*args)` in the fault log's lane, waited for however long it takes (see the module's doc)."""
+        future = asyncio.wrap_future(self._lane.submit(fn, *args))
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self._slow_write_s)
+        except TimeoutError:
+            self.stalled = f"a write under {self._dir} has not returned for {self._slow_write_s:g} s (disk hung?)"
+            log.error("fault log write is not returning; waiting for it", extra={"path": str(self._dir)})
+        try:
+            return await future
+        finally:
+            if self.stalled:
+                log.info("fault log write returned", extra={"path": str(self._dir)})
+            self.stalled = ""
 
     def _cut_back(self) -> None:
         """Drop whatever part of a failed append reached the file (a later append must not follow half a line)."""
@@ -255,6 +313,15 @@ class FaultLog:
             self._save_cursors(clean=True)
         except OSError as exc:
             log.warning("cannot note the fault log's last revision at shutdown", extra={"error": str(exc)})
+
+    async def close_async(self) -> None:
+        if not self.epoch:
+            return
+        async with self._busy:
+            try:
+                await self._io(atomic_write, self._dir / "cursors.json", self._cursors_data(clean=True))
+            except OSError as exc:
+                log.warning("cannot note the fault log's last revision at shutdown", extra={"error": str(exc)})
 
     # ---- reading ------------------------------------------------------------------------------
 
@@ -295,17 +362,39 @@ class FaultLog:
 
     def commit(self, sink: str, revision: int, state: dict | None = None) -> None:
         """`sink`'s peer acknowledged everything up to `revision` (OSError: not saved, try again)."""
-        previous = self._sinks.get(sink)
-        self._sinks[sink] = SinkEntry(revision, self.epoch, state)
+        previous = self._set_cursor(sink, revision, state)
         try:
             self._save_cursors()
         except OSError:
-            if previous is None:
-                del self._sinks[sink]
-            else:
-                self._sinks[sink] = previous
+            self._put_back(sink, previous)
             raise
         self._maybe_compact()
+
+    async def commit_async(self, sink: str, revision: int, state: dict | None = None) -> None:
+        """`commit` with the disk I/O off the loop."""
+        await asyncio.shield(self._commit_in_order(sink, revision, state))
+
+    async def _commit_in_order(self, sink: str, revision: int, state: dict | None) -> None:
+        async with self._busy:
+            previous = self._set_cursor(sink, revision, state)
+            try:
+                await self._io(atomic_write, self._dir / "cursors.json", self._cursors_data())
+            except OSError:
+                self._put_back(sink, previous)
+                raise
+            await self._compact_async()
+
+    def _set_cursor(self, sink: str, revision: int, state: dict | None) -> SinkEntry | None:
+        """Set the cursor in memory; returns the one it replaced, to put back if the save fails."""
+        previous = self._sinks.get(sink)
+        self._sinks[sink] = SinkEntry(revision, self.epoch, state)
+        return previous
+
+    def _put_back(self, sink: str, previous: SinkEntry | None) -> None:
+        if previous is None:
+            del self._sinks[sink]
+        else:
+            self._sinks[sink] = previous
 
     def pending(self, sink: str) -> int:
         """Changes the sink's peer has not acknowledged (all of them when it must resynchronise)."""
@@ -313,34 +402,61 @@ class FaultLog:
         return self.revision - (self._base_revision if cursor is None else cursor)
 
     def _save_cursors(self, clean: bool = False) -> None:
+        atomic_write(self._dir / "cursors.json", self._cursors_data(clean))
+
+    def _cursors_data(self, clean: bool = False) -> bytes:
         data = {"epoch": self.epoch, "revision": self.revision, "clean": clean,
                 "sinks": {name: {"revision": e.revision, "epoch": e.epoch, **({"state": e.state} if e.state else {})}
                           for name, e in sorted(self._sinks.items())}}
-        atomic_write(self._dir / "cursors.json", json.dumps(data, sort_keys=True).encode())
+        return json.dumps(data, sort_keys=True).encode()
 
     # ---- compaction ---------------------------------------------------------------------------
 
-    def _maybe_compact(self) -> None:
+    def _compaction_due(self) -> int | None:
+        """The revision to compact up to, when enough is dead (at least 1024 records, half the log)."""
         cursors = [c for c in map(self.cursor, self._sinks) if c is not None]
         boundary = min([self.revision - self._keep_recent, *cursors])
         dead = boundary - self._base_revision
-        if dead < 1024 or dead * 2 < len(self._records):
+        return None if dead < 1024 or dead * 2 < len(self._records) else boundary
+
+    def _maybe_compact(self) -> None:
+        boundary = self._compaction_due()
+        if boundary is None:
             return
         try:
             self.compact(boundary)
         except OSError as exc:  # the log stays as it is, only longer; the next append tries again
             log.warning("fault log compaction failed", extra={"error": str(exc), "records": len(self._records)})
 
+    async def _compact_async(self) -> None:
+        boundary = self._compaction_due()
+        plan = self._compaction(boundary) if boundary is not None else None
+        if plan is None:
+            return
+        try:
+            await self._io(atomic_write, self._path, plan[2])
+        except OSError as exc:
+            log.warning("fault log compaction failed", extra={"error": str(exc), "records": len(self._records)})
+            return
+        self._compacted(boundary, *plan)
+
     def compact(self, boundary: int) -> None:
         """Fold every change up to `boundary` into the base record and rewrite the file."""
+        plan = self._compaction(boundary)
+        if plan is not None:
+            atomic_write(self._path, plan[2])
+            self._compacted(boundary, *plan)
+
+    def _compaction(self, boundary: int) -> tuple[dict[int, DeviceState], list[Change], bytes] | None:
         base = self.state_at(boundary)
         if base is None or boundary <= self._base_revision:
-            return
+            return None
         kept = [c for c in self._records if c.revision > boundary]
         lines = [_line({"base": True, "rev": boundary, "devices": [state_to_dict(s) for s in base.values()]})]
         lines += [_line({"rev": c.revision, "state": state_to_dict(c.state)}) for c in kept]
-        data = b"".join(lines)
-        atomic_write(self._path, data)
+        return base, kept, b"".join(lines)
+
+    def _compacted(self, boundary: int, base: dict[int, DeviceState], kept: list[Change], data: bytes) -> None:
         self._size = len(data)
         self._base, self._base_revision = base, boundary
         self._records = deque(kept)

@@ -4,14 +4,16 @@ It owns the engine's surroundings: the rule tables and their reload on change (r
 loop), the escalation history in `state_dir`, and the timer that lets time-based rules fire without
 new input.
 
-Changes reach the hub and the sinks only once they are in the durable fault log. While the log
-cannot be written (disk full, read-only), the latest state of each changed device waits here and
-the write is retried with backoff; /readyz says so, and nothing is published out of order.
+Changes reach the hub and the sinks only once they are in the durable fault log. The writer task
+appends them, in order, off the event loop, then hands them on. While the log cannot be written
+(disk full, read-only), the latest state of each changed device waits here and the write is
+retried with backoff; /readyz says so, and nothing is published out of order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -21,19 +23,20 @@ from typing import Callable, Sequence
 from agent.config import FaultsConfig
 from agent.model import (MIN_TIME_MS, Assertion, Change, DeviceInfo, DeviceState, DriverEvent, Level,
                          Reading)
-from agent.common.pool import DaemonPool
+from agent.common.executor import Lane
 from agent.common.errors import MAX_PROBLEMS, ConfigError, Once
 from agent.faults.rules.codes import FaultCodeTable, load_fault_code_table
 from agent.faults.rules.customization import Customization, load_customization
 from agent.faults.rules.engine import EngineSettings, FaultEngine
 from agent.faults.hub import FaultHub
 from agent.faults.log import FaultLog
-from agent.common.fsutil import WriteRetry, atomic_write, file_identity, read_state
+from agent.common.fsutil import WriteRetry, file_identity, read_state
 from agent.lifecycle import Tasks
 
 log = logging.getLogger(__name__)
 
 HISTORY_FILE = "fault-history.json"
+RULE_READ_TIMEOUT_S = 10.0  # rule files that take longer to read fail the reload task (/readyz says so)
 
 
 def load_tables(config: FaultsConfig) -> tuple[FaultCodeTable, Customization]:
@@ -57,7 +60,7 @@ class FaultService:
     name = "faults"
 
     def __init__(self, config: FaultsConfig, state_dir: str, fault_log: FaultLog, hub: FaultHub, *,
-                 once_hold_s: float, listeners: Sequence[Callable[[list[Change]], None]] = (),
+                 files: Lane, once_hold_s: float, listeners: Sequence[Callable[[list[Change]], None]] = (),
                  clock: Callable[[], float] = time.time, reload_interval_s: float = 2.0):
         self._config = config
         self._history_path = Path(state_dir) / HISTORY_FILE
@@ -83,15 +86,17 @@ class FaultService:
         self._history_loaded = False
         self._timer: asyncio.TimerHandle | None = None
         self.tasks = Tasks(self.name)
-        # Rule files are read here: a file on a hung file system holds up this thread, never the loop
-        # (nor SIGTERM: the thread is a daemon).
-        self._files = DaemonPool(max_threads=1, name="rule-files")
+        # Rule files are read in this lane: a file on a hung file system holds up a thread, never the
+        # loop (nor SIGTERM: the thread is a daemon).
+        self._files = files
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started_ms = self._now_ms()
         self.clamped_times = 0  # driver fault times older than this process, replaced by when it saw them
         self._clamped_first = Once()  # (device, code) whose clamped time was logged
-        self._unwritten: dict[int, DeviceState] = {}  # changes waiting for the fault log to be writable
-        self._retry: asyncio.TimerHandle | None = None
+        self._unwritten: list[DeviceState] = []  # changes not in the fault log yet, in order
+        self._newest: dict[int, DeviceState] = {}  # each device's last change, written or not
+        self._dirty = asyncio.Event()  # wakes the writer
+        self._polled = False  # every device was read once: the hub is current once that is written
         self._log_writes, self._history_writes = WriteRetry("fault log"), WriteRetry("escalation history")
         self.writes = (self._log_writes, self._history_writes)
 
@@ -99,19 +104,20 @@ class FaultService:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.tasks.start("writer", self._write, reset=self._dirty.set)
         self.tasks.start("rule-reload", self._watch_files, reset=self._forget_files)
 
     async def stop(self) -> None:
         await self.tasks.stop()
         self._files.close()
-        for timer in (self._timer, self._retry):
-            if timer is not None:
-                timer.cancel()
-        self._save_history()
+        if self._timer is not None:
+            self._timer.cancel()
+        await self._flush()  # what changed since the writer's last pass
+        await self._save_history(always=True)
 
     def readiness(self) -> tuple[bool, str]:
         problems = [f"fault rule files invalid: {self._table_error}" if self._table_error else "",
-                    *(w.problem for w in self.writes)]
+                    *(w.problem for w in self.writes), self._log.stalled]
         problems = [p for p in problems if p]
         return not problems, "; ".join(problems)
 
@@ -145,7 +151,8 @@ class FaultService:
         self._publish(changes)
 
     def on_polled(self) -> None:
-        self._hub.current = True
+        self._polled = True
+        self._dirty.set()
 
     def on_event(self, device: DeviceInfo, event: DriverEvent) -> None:
         """An event whose assertion is occur, recover or once (the monitor skips any other)."""
@@ -179,44 +186,55 @@ class FaultService:
 
     def _publish(self, changes: list[DeviceState]) -> None:
         for state in changes:
-            previous = self._hub.latest(state.phy_id)
+            previous = self._newest.get(state.phy_id, self._hub.latest(state.phy_id))
+            self._newest[state.phy_id] = state
             quiet = not state.faulty and (previous is None or not previous.faulty)
             (log.debug if quiet else log.info)("device fault state changed", extra={
                 "device": state.phy_id, "logic_id": state.logic_id, "fault_level": state.level.name,
                 "health": int(state.health), "codes": [f"{c.text}:{c.level.name}" + (f"({c.escalated_by})" if c.escalated_by else "")
                                                        for c in state.codes]})
-        self._unwritten.update((state.phy_id, state) for state in changes)
-        self._append()
-        if self.engine.history_dirty:
-            self._save_history()
+        self._unwritten += changes
+        self._dirty.set()
         self._arm_timer()
 
-    def _retry_append(self) -> None:
-        self._retry = None
-        self._append()
+    async def _write(self) -> None:
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            retry_s = await self._flush()
+            await self._save_history()
+            if retry_s is not None:  # again after the backoff, or at the next change
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._dirty.wait(), retry_s)
+                self._dirty.set()
 
-    def _append(self) -> None:
-        """Write what changed to the fault log, then hand it on; on failure keep it and retry."""
+    async def _flush(self) -> float | None:
+        """Write what changed to the fault log, then hand it on; on failure keep it (the latest
+        state of each device) and return the seconds until the next try."""
         latest = {phy: change.state for phy, change in self._log.latest().items()}
-        fresh = [state for state in self._unwritten.values() if latest.get(state.phy_id) != state]
-        if not fresh:
-            self._unwritten.clear()
-            return
-        try:
-            appended = self._log.append(fresh)
-        except OSError as exc:
-            delay = self._log_writes.failed(exc, devices=sorted(self._unwritten))
-            if self._loop is not None and self._retry is None:
-                self._retry = self._loop.call_later(delay, self._retry_append)
-            return
-        self._log_writes.succeeded()
-        if self._retry is not None:
-            self._retry.cancel()
-            self._retry = None
-        self._unwritten.clear()
-        self._hub.publish(appended)
-        for listener in self._listeners:
-            listener(appended)
+        batch, self._unwritten = self._unwritten, []
+        fresh = []
+        for state in batch:  # a state the log already has last for its device is not written again
+            if latest.get(state.phy_id) != state:
+                fresh.append(state)
+                latest[state.phy_id] = state
+        appended = []
+        if fresh:
+            try:
+                appended = await self._log.append_async(fresh)
+            except OSError as exc:
+                kept = {state.phy_id: state for state in [*fresh, *self._unwritten]}
+                self._unwritten = list(kept.values())
+                return self._log_writes.failed(exc, devices=sorted(kept))
+            self._log_writes.succeeded()
+        if appended:
+            self._hub.publish(appended)
+        if self._polled and not self._unwritten:
+            self._hub.current = True  # the first poll's findings are in the log and the hub
+        if appended:
+            for listener in self._listeners:
+                listener(appended)
+        return None
 
     def _arm_timer(self) -> None:
         if self._loop is None:
@@ -233,10 +251,12 @@ class FaultService:
         self._timer = None
         self._publish(self.engine.tick(self._now_ms()))
 
-    def _save_history(self) -> None:
+    async def _save_history(self, always: bool = False) -> None:
+        if not (always or self.engine.history_dirty):
+            return
+        data = json.dumps(self.engine.export_history(), sort_keys=True).encode()
         try:
-            data = json.dumps(self.engine.export_history(), sort_keys=True).encode()
-            atomic_write(self._history_path, data)
+            await self._log.save_file(self._history_path, data)
         except OSError as exc:
             self.engine.history_dirty = True  # tried again with the next change (the engine holds it meanwhile)
             self._history_writes.failed(exc, path=str(self._history_path))
@@ -260,7 +280,8 @@ class FaultService:
     async def _watch_files(self) -> None:
         while True:
             await asyncio.sleep(self._reload_interval_s)
-            current, loaded = await asyncio.wrap_future(self._files.submit(self._load_if_changed, self._watched))
+            current, loaded = await self._files.run(self._load_if_changed, self._watched, timeout=RULE_READ_TIMEOUT_S,
+                                                    key="rule-files")
             if loaded is not None:
                 self._watched = current
                 self._apply(loaded)

@@ -13,8 +13,10 @@ import logging
 from collections import Counter
 from typing import Any, Callable
 
+from agent.common.executor import Lane
 from agent.kube.client import KubeUnavailable
 from agent.kube.watch import Key, ListWatch
+from agent.lifecycle import Tasks
 
 log = logging.getLogger(__name__)
 
@@ -22,8 +24,10 @@ log = logging.getLogger(__name__)
 class NodePods:
     name = "node-pods"
 
-    def __init__(self, node: str, api_factory: Callable[[], object], watch_timeout_s: int = 300):
+    def __init__(self, node: str, api_factory: Callable[[], object], kube: Lane, watch_timeout_s: int = 300):
         self._node = node
+        self._kube = kube
+        self.tasks = Tasks(self.name)
         self._api_factory = api_factory
         self._watch_timeout_s = watch_timeout_s
         self._subscribers: list[tuple[Callable[[Any], Any], Callable[[dict[Key, Any]], None]]] = []
@@ -54,13 +58,14 @@ class NodePods:
             log.error("cannot reach Kubernetes; nothing that needs this node's pods works", extra={"error": str(exc)})
             return
         self._watch = ListWatch("pods", api.list_pod_for_all_namespaces, self._convert, self._changed,
-                                asyncio.get_running_loop(), timeout_s=self._watch_timeout_s,
+                                asyncio.get_running_loop(), self._kube, timeout_s=self._watch_timeout_s,
                                 field_selector=f"spec.nodeName={self._node}")
-        self._watch.start()
+        self.tasks.start("watch", self._watch.run)
 
     async def stop(self) -> None:
         if self._watch is not None:
             self._watch.stop()
+        await self.tasks.stop(timeout=1.0)
 
     def readiness(self) -> tuple[bool, str]:
         if self.unavailable:

@@ -1,8 +1,9 @@
 """List-then-watch of one Kubernetes collection, kept as a plain dict of converted objects.
 
-The official client is blocking, so each watcher runs on its own daemon thread (a dead connection
-must not hold up SIGTERM) and hands every new state to the event loop. It lists, then watches
-from the list's resourceVersion; a 410 Gone (the server compacted past it) relists at once, any
+The official client is blocking, so each list and each watch runs in the executor's kube lane (a
+dead connection must not hold up SIGTERM; a watch holds a thread of the lane for as long as it
+lasts) and hands every new state to the event loop, which drives the retries. It lists, then
+watches from the list's resourceVersion; a 410 Gone (the server compacted past it) relists at once, any
 other failure retries after a backoff with jitter, resuming the watch from the last version seen
 (like client-go's reflector). Both sides have time-outs: the server ends a
 watch after `WATCH_TIMEOUT_S`, the client gives up on a silent connection a little later.
@@ -21,6 +22,7 @@ import urllib3
 from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
+from agent.common.executor import CallTimeout, Lane
 from agent.lifecycle import restarts
 
 log = logging.getLogger(__name__)
@@ -38,45 +40,44 @@ class ListWatch(Generic[T]):
     """Keeps `convert(obj)` of every object `list_call` returns, current through a watch.
 
     `on_change(objects, synced)` runs on the loop after the first list and after every change;
-    `convert` may return None to ignore an object.
+    `convert` may return None to ignore an object. Its owner runs `run()` as one of its tasks.
     """
 
     def __init__(self, name: str, list_call: Callable[..., Any], convert: Callable[[Any], T | None],
-                 on_change: Callable[[dict[Key, T]], None], loop: asyncio.AbstractEventLoop,
+                 on_change: Callable[[dict[Key, T]], None], loop: asyncio.AbstractEventLoop, kube: Lane,
                  timeout_s: int = WATCH_TIMEOUT_S, **selectors: str):
         self.name = name
         self._list = list_call
         self._convert = convert
         self._on_change = on_change
         self._loop = loop
+        self._kube = kube
         self._selectors = selectors
         self._timeout_s = timeout_s
         self._version: str | None = None  # resourceVersion reached; None: list first
         self._objects: dict[Key, T] = {}
         self._stopping = threading.Event()
         self._watch: watch.Watch | None = None
-        self._thread: threading.Thread | None = None
         self.synced = False
         self._seen: set[str] = set()  # unexpected errors whose traceback was logged
         self.problem = ""  # the last unexpected failure, until a list succeeds again
         self.counters: Counter[str] = Counter()  # lists, events, relist_expired, error_<reason>
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=f"watch-{self.name}", daemon=True)
-        self._thread.start()
-
     def stop(self) -> None:
+        """Make a watch under way return at its next event (its owner cancels `run`)."""
         self._stopping.set()
         if self._watch is not None:
             self._watch.stop()
 
-    def _run(self) -> None:
+    async def run(self) -> None:
         attempt = 0
         while not self._stopping.is_set():
             try:
                 if self._version is None:
-                    self._relist()
-                self._follow()  # until the server ends the watch after WATCH_TIMEOUT_S: resume
+                    await self._kube.run(self._relist, timeout=LIST_TIMEOUT_S + 5, key=f"list/{self.name}")
+                # Until the server ends the watch after timeout_s (then resumed), or the client gives up.
+                await self._kube.run(self._follow, timeout=self._timeout_s + WATCH_READ_SLACK_S + 5,
+                                     key=f"watch/{self.name}")
                 attempt = 0
                 continue
             except ApiException as exc:
@@ -86,7 +87,7 @@ class ListWatch(Generic[T]):
                     log.info("kubernetes watch expired (410); relisting", extra={"watch": self.name})
                     continue
                 reason = f"http_{exc.status}"
-            except (urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
+            except (urllib3.exceptions.HTTPError, OSError, ValueError, CallTimeout) as exc:
                 reason = f"{type(exc).__name__}"
             except Exception as exc:  # a bug, or an object of a shape nobody foresaw: relist, never end the watch
                 reason = f"unexpected_{type(exc).__name__}"
@@ -105,7 +106,7 @@ class ListWatch(Generic[T]):
             log.warning("kubernetes list/watch failed; retrying", extra={
                 "watch": self.name, "reason": reason, "retry_in_s": round(delay, 2),
                 "resume_from": self._version or "a fresh list"})
-            self._stopping.wait(delay)
+            await asyncio.sleep(delay)
 
     def _relist(self) -> None:
         result = self._list(_request_timeout=LIST_TIMEOUT_S, **self._selectors)

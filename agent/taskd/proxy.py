@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from agent._proto import tasknet_pb2 as pb
+from agent.common.executor import CallTimeout, Lane
 from agent.common.grpcutil import EXCLUSIVE, bind
 from agent.taskd.budget import ByteBudget
 from agent.taskd.frames import Frame, Malformed
@@ -39,6 +40,7 @@ JANITOR_S = 5.0
 BROADCAST_MEMORY_S = 5.0  # copies of one broadcast (same uuid) within this time are one message
 BROADCAST_MEMORY = 4096  # uuids remembered per job
 OVERFLOW_LOG_S = 60.0
+RESOLVE_TIMEOUT_S = 5.0  # telling which job a connecting process belongs to (/proc walks); refused after
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
     ("grpc.max_receive_message_length", MAX_MESSAGE),
@@ -115,8 +117,8 @@ class Job:
 class TaskdProxy:
     name = "taskd_proxy"
 
-    def __init__(self, listen: str, manager_port: int, *, dial_timeout_s: float = 5.0, hold_s: float = 60.0,
-                 queue_limit: int = 1024, job_bytes: int = 32 << 20, node_bytes: int = 64 << 20,
+    def __init__(self, listen: str, manager_port: int, *, peers: Lane, dial_timeout_s: float = 5.0,
+                 hold_s: float = 60.0, queue_limit: int = 1024, job_bytes: int = 32 << 20, node_bytes: int = 64 << 20,
                  resolver: PeerResolver | None = None, clock=time.monotonic):
         self._listen = listen
         self._manager_port = manager_port
@@ -125,6 +127,7 @@ class TaskdProxy:
         self.overflows: Counter[str] = Counter()  # job -> messages refused for want of room
         self._overflow_logged: dict[str, float] = {}
         self._resolver = resolver or PeerResolver()
+        self._peers = peers  # the executor's lane for the /proc walks that identify a connecting process
         self._clock = clock
         self.jobs: dict[str, Job] = {}
         self.messages: Counter[tuple[str, str]] = Counter()  # (direction, result)
@@ -394,8 +397,8 @@ class TaskdProxy:
         peer = self._resolver.cached(text)
         if peer is None:
             try:
-                peer = await asyncio.to_thread(self._resolver.resolve, text, self.port)
-            except PeerRefused as exc:
+                peer = await self._peers.run(self._resolver.resolve, text, self.port, timeout=RESOLVE_TIMEOUT_S)
+            except (PeerRefused, CallTimeout) as exc:
                 self._refuse(text, str(exc))
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"npu-node-agent TaskD proxy: {exc}")
         host = f"[{peer.manager_host}]" if ":" in peer.manager_host else peer.manager_host

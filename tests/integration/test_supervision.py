@@ -23,6 +23,7 @@ PER_REQUEST = {
     "TaskdProxy._read_acks",  # one worker stream's acknowledgements
     "ManagerLink._deliver",  # one message on its way to a manager
     "DeviceMonitor._poll", "DeviceMonitor._read",  # one read of one device (awaited, or spawned with its errors logged)
+    "FaultLog._append_in_order", "FaultLog._commit_in_order",  # one write of the fault log, awaited (shielded)
 }
 
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import zlib
 
 import pytest
 
+from agent.common.executor import Executor
 from agent.model import ActiveCode, DeviceState, Health, Level
 from agent.faults.log import FaultLog
+from testkit.wait import until
 
 
 def state(phy: int, code: int | None = None) -> DeviceState:
@@ -222,3 +226,61 @@ def test_cursors_with_sinks_of_the_wrong_shape(tmp_path):
     log.close()
     (tmp_path / "faultlog" / "cursors.json").write_text('{"epoch": "x", "sinks": 5}')
     assert opened(tmp_path).cursor("clusterd") is None
+
+
+def test_writes_off_the_loop_keep_revisions_cursors_and_compaction_as_the_blocking_ones(tmp_path):
+    async def body():
+        executor = Executor()
+        log = opened(tmp_path, keep_recent=10, lane=executor.lane("fault-log"))
+        assert [c.revision for c in await log.append_async([state(0), state(1, 0x80E18402)])] == [1, 2]
+        await log.commit_async("clusterd", 2, {"held": ["x"]})
+        for i in range(1100):
+            await log.append_async([state(i % 4)])
+        await log.commit_async("clusterd", log.revision)  # every record acknowledged: compaction folds them
+        assert log.changes_after(1) is None and log.revision == 1102
+        await log.close_async()
+        executor.close()
+
+    asyncio.run(body())
+    again = opened(tmp_path)
+    assert (again.revision, again.cursor("clusterd"), again.previous_clean) == (1102, 1102, True)
+    assert again.latest()[1].state == state(1)
+
+
+def test_a_caller_cancelled_mid_write_leaves_the_log_consistent(tmp_path):
+    async def body():
+        executor = Executor()
+        lane = executor.lane("fault-log")
+        log = opened(tmp_path, lane=lane)
+        release = threading.Event()
+        lane.submit(release.wait, 10)  # the disk is busy: the write waits behind this
+        write = asyncio.ensure_future(log.append_async([state(0, 0x80E18402)]))
+        await asyncio.sleep(0)
+        write.cancel()
+        release.set()
+        assert [c.revision for c in await log.append_async([state(0)])] == [2]  # after the first, not instead
+        executor.close()
+        return log
+
+    log = asyncio.run(body())
+    again = opened(tmp_path)
+    assert again.revision == 2 and [c.state for c in again.changes_after(0)] == [state(0, 0x80E18402), state(0)]
+    assert log.latest() == again.latest()
+
+
+def test_a_write_that_does_not_return_makes_the_log_stalled_until_it_does(tmp_path):
+    async def body():
+        executor = Executor()
+        lane = executor.lane("fault-log")
+        log = opened(tmp_path, lane=lane, slow_write_s=0.05)
+        release = threading.Event()
+        lane.submit(release.wait, 10)  # a hung disk
+        write = asyncio.ensure_future(log.append_async([state(0)]))
+        await until(lambda: log.stalled, 20, "the write to be reported slow")
+        assert "has not returned" in log.stalled
+        release.set()
+        assert [c.revision for c in await write] == [1]
+        assert log.stalled == ""
+        executor.close()
+
+    asyncio.run(body())

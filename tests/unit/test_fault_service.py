@@ -1,4 +1,4 @@
-"""The fault service's rule-file watcher: supervised, so a run that fails is restarted and later files load."""
+"""The fault service's tasks: supervised, so a run that fails is restarted and later changes and files get through."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import json
 
 from agent import lifecycle as tasks
+from agent.common.executor import Executor
 from agent.config import FaultsConfig
 from agent.model import DeviceInfo, Health, Level, Reading
 from agent.faults.hub import FaultHub
@@ -16,35 +17,41 @@ from testkit.wait import until
 DEVICE = DeviceInfo(0, 0, 0, 0, "910B3", "910B3-Ascend-V1")
 
 
-def test_a_reload_that_fails_is_restarted_and_the_next_file_loads(tmp_path):
+def test_a_pass_that_fails_is_restarted_and_the_next_file_loads(tmp_path):
     table = tmp_path / "faultCode.json"
     table.write_text(json.dumps({"NotHandleFaultCodes": ["12345678"]}))
     published: list = []
 
-    def sink(changes) -> None:  # a sink with a bug: the second batch (the first reload's) makes it raise
+    def sink(changes) -> None:  # a sink with a bug: the reload's batch (the one at SeparateNPU) makes it raise
         published.append(changes)
-        if len(published) == 2:
+        if changes[-1].state.level is Level.SeparateNPU:
             raise RuntimeError("sink failed")
 
     async def body():
-        fault_log = FaultLog(tmp_path / "faultlog")
+        executor = Executor()
+        fault_log = FaultLog(tmp_path / "faultlog", lane=executor.lane("fault-log"))
         fault_log.open()
-        service = FaultService(FaultsConfig(fault_code_file=str(table)), str(tmp_path), fault_log, FaultHub("n"),
-                               once_hold_s=5, listeners=[sink], reload_interval_s=0.05)
-        before = tasks.restarts["faults/rule-reload"]
+        hub = FaultHub("n")
+        service = FaultService(FaultsConfig(fault_code_file=str(table)), str(tmp_path), fault_log, hub,
+                               files=executor.lane("rule-files"), once_hold_s=5, listeners=[sink],
+                               reload_interval_s=0.05)
+        before = tasks.restarts["faults/writer"]
         await service.start()
         try:
             service.on_inventory([DEVICE])
             service.on_reading(DEVICE, Reading(Health.UNHEALTHY, frozenset({0x12345678})), 0)
-            assert service.engine.state(0).level is Level.NotHandleFault and len(published) == 1
+            service.on_polled()
+            await until(lambda: hub.current, 20, "the first poll's findings in the hub")
+            assert hub.latest(0).level is Level.NotHandleFault and published[-1][-1].state == hub.latest(0)
             table.write_text(json.dumps({"SeparateNPUCodes": ["12345678"]}))
-            await until(lambda: len(published) == 2, 20, "the reload that fails")
-            table.write_text(json.dumps({"RestartNPUCodes": ["12345678"], "NotHandleFaultCodes": []}))
-            await until(lambda: service.engine.state(0).level is Level.RestartNPU, 20, "the next file in force")
-            assert tasks.restarts["faults/rule-reload"] == before + 1
+            await until(lambda: tasks.restarts["faults/writer"] == before + 1, 20, "the pass whose sink fails")
             assert "RuntimeError: sink failed" in service.tasks.problem  # on /readyz until it runs well for 10 s
+            table.write_text(json.dumps({"RestartNPUCodes": ["12345678"], "NotHandleFaultCodes": []}))
+            await until(lambda: published[-1][-1].state.level is Level.RestartNPU, 20, "the next file's change handed on")
+            assert fault_log.latest()[0].state.level is Level.RestartNPU
         finally:
             await service.stop()
             fault_log.close()
+            executor.close()
 
     asyncio.run(body())

@@ -6,6 +6,7 @@ import asyncio
 from collections import Counter
 
 from agent import lifecycle as tasks
+from agent.common.executor import Executor
 from agent.model import DeviceInfo, Health, Reading
 from agent.devices.monitor import DeviceMonitor
 from testkit.wait import until
@@ -62,7 +63,8 @@ class Observer:
 
 def run_monitor(observer: Observer, driver: Driver, check) -> None:
     async def body():
-        monitor = DeviceMonitor(driver, observer, poll_interval_s=0.05, call_timeout_s=5)
+        monitor = DeviceMonitor(driver, observer, calls=Executor().lane("driver", 4, 8), poll_interval_s=0.05,
+                                call_timeout_s=5)
         await monitor.start()
         try:
             await check(monitor)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from importlib import resources
+from pathlib import Path
 
 from agent.config import read_config_file
 from agent.common.errors import ConfigError, clip, file_problem, quote
@@ -138,7 +138,9 @@ def _place_network(network: dict[int, Level], code: int, level: Level, source: s
 def load_fault_code_table(path: str) -> FaultCodeTable:
     """The table at `path`, or the built-in default table when `path` is empty."""
     if not path:
-        text = resources.files("agent.faults.rules").joinpath("builtin_fault_codes.json").read_text("utf-8")
+        # Beside this module (the package is installed as files): importlib.resources would bring in
+        # zipfile and its readers, half a MiB of every agent's memory, to read one file.
+        text = Path(__file__).with_name("builtin_fault_codes.json").read_text("utf-8")
         return parse_fault_code_table(json.loads(text), "built-in fault-code table")
     return parse_fault_code_table(read_json_file(path), path)
 

@@ -178,7 +178,7 @@ class ClusterdSink:
             if time.monotonic() >= self._reassert_at:
                 await self._reassert()
             if self._save_at is not None and time.monotonic() >= self._save_at:
-                self._save()
+                await self._save()
             if more:
                 continue
             waits = [self._reassert_at - time.monotonic(), *([self._save_at - time.monotonic()] if self._save_at else [])]
@@ -233,7 +233,7 @@ class ClusterdSink:
                 "occurrences": step.unsent})
         if step.transitions:
             await self._send(step.transitions)
-        self._acknowledged(step.transitions, step.held, step.last_revision)
+        await self._acknowledged(step.transitions, step.held, step.last_revision)
         return self._log.revision > self._cursor
 
     async def _resync(self, why: str) -> None:
@@ -244,23 +244,23 @@ class ClusterdSink:
             "reason": why, "revision": revision, "held": len(self._view.held), "now": len(target)})
         self._view = ClusterdView({**self._view.held, **target}, self._view.recovered, resyncing=True)
         self._cursor = revision
-        self._save()  # first: what may be held once these requests went out
+        await self._save()  # first: what may be held once these requests went out
         for chunk in requests(items):
             await self._send(chunk)
         if items:
             self.reconciles["resync"] += 1
-        self._acknowledged(items, target, revision)
+        await self._acknowledged(items, target, revision)
         if self._reassert_why == "start":
             self._next_reassertion()  # the resync was the start's re-assertion
 
-    def _acknowledged(self, sent: list[Transition], held: dict[str, PublicFault], revision: int) -> None:
+    async def _acknowledged(self, sent: list[Transition], held: dict[str, PublicFault], revision: int) -> None:
         self._view = self._view.acknowledged(sent, held, int(self._clock() * 1000))
         self._cursor = revision
-        self._save()
+        await self._save()
 
-    def _save(self) -> None:
+    async def _save(self) -> None:
         try:
-            self._log.commit(SINK, self._cursor, self._view.to_dict())
+            await self._log.commit_async(SINK, self._cursor, self._view.to_dict())
         except OSError as exc:
             self._save_at = time.monotonic() + self.writes.failed(exc, revision=self._cursor)
             return

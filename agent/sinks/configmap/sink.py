@@ -2,7 +2,7 @@
 
 Written when its content changes and at least every 5 minutes (a heartbeat ClusterD and operators
 can rely on), never more than once a second; update first, create when it does not exist. The
-Kubernetes client is blocking, so calls run in a worker thread with a time-out.
+Kubernetes client is blocking, so calls run in the executor's kube lane with a time-out.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import urllib3
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from agent.common.pool import DaemonPool
+from agent.common.executor import CallTimeout, Lane
 from agent.sinks.configmap.deviceinfo import LABELS, NAME_PREFIX, NAMESPACE, content_key, device_info_data
 from agent.faults.hub import FaultHub
 from agent.model import Change
@@ -34,7 +34,7 @@ RETRY_S = (1.0, 2.0, 5.0, 10.0)
 class DeviceInfoConfigMapSink:
     name = "configmap"
 
-    def __init__(self, node: str, hub: FaultHub, chip_name: Callable[[], str], *,
+    def __init__(self, node: str, hub: FaultHub, chip_name: Callable[[], str], *, kube: Lane,
                  api_factory: Callable[[], client.CoreV1Api] = core_api, clock: Callable[[], float] = time.time):
         self._node = node
         self._hub = hub
@@ -44,7 +44,7 @@ class DeviceInfoConfigMapSink:
         self._api: client.CoreV1Api | None = None
         self._wakeup = asyncio.Event()
         self.tasks = Tasks("configmap-sink")
-        self._pool = DaemonPool(max_threads=1, name="kube")  # a stuck API call must not hold up SIGTERM
+        self._kube = kube
         self._written_key = ""
         self._written_at = 0.0
         self.error = ""
@@ -61,7 +61,6 @@ class DeviceInfoConfigMapSink:
 
     async def stop(self) -> None:
         await self.tasks.stop(timeout=1.0)
-        self._pool.close()
 
     def readiness(self) -> tuple[bool, str]:
         return (not self.error, self.error)
@@ -101,8 +100,9 @@ class DeviceInfoConfigMapSink:
             await asyncio.sleep(MIN_INTERVAL_S - since)
             return 0.0
         try:
-            await asyncio.wrap_future(self._pool.submit(self._write, data))
-        except (ApiException, KubeUnavailable, urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
+            # The client's own time-out is per request; the write may make two (replace, then create).
+            await self._kube.run(self._write, data, timeout=2 * REQUEST_TIMEOUT_S + 5, key=self.name)
+        except (ApiException, KubeUnavailable, urllib3.exceptions.HTTPError, OSError, ValueError, CallTimeout) as exc:
             self.counters["error"] += 1
             reason = f"{getattr(exc, 'status', '')} {getattr(exc, 'reason', '') or exc}".strip()
             if reason != self.error:
