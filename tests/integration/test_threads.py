@@ -18,7 +18,7 @@ from testkit.wait import wait_until
 GRPC_C = ("grpc_global_tim", "lifeguard", "event_engine")
 GRPC_C_THREADS = 2 + min(16, max(4, os.sysconf("SC_NPROCESSORS_CONF")))
 # Everything else: the loop's thread, gRPC's Python poller, the executor's driver lane at idle, the
-# two profiling followers' own threads (until they take the executor's lanes), and the fake
+# two profiling followers' lanes (a thread each while they walk, ended after a minute idle), and the fake
 # driver's control-socket thread; plus one for a rule-file read or a fault-log write that finds
 # every driver thread busy.
 OTHER_THREADS = 1 + 1 + DRIVER_LANE[0] + 2 + 1 + 1
