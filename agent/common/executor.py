@@ -64,7 +64,7 @@ class _Worker:
 
 class Lane(ThreadPoolExecutor):
     """One purpose's share of the executor. A ThreadPoolExecutor in type only (asyncio's
-    `set_default_executor` insists on it); `submit` returns a concurrent Future, like DaemonPool."""
+    `set_default_executor` insists on it); `submit` returns a concurrent Future."""
 
     def __init__(self, executor: "Executor", purpose: str, limit: int, stuck_limit: int):  # no super().__init__
         self._executor = executor

@@ -32,7 +32,7 @@ from typing import Generic, Protocol
 
 from inotify_simple import INotify, flags
 
-from agent.common.pool import DaemonPool
+from agent.common import executor as blocking
 from agent.fstree.events import DIR_GONE, DIR_NEW, LAST_GONE, SELF_GONE, SELF_IGNORED, WATCH_MASK, Change, coalesce
 from agent.fstree.paths import PathMap, join
 from agent.fstree.unwatched import RETRY_MAX_S, Unwatched
@@ -50,7 +50,7 @@ LOGGED_MAX = 1_000  # distinct problems logged; later ones are only counted
 
 
 class Executor(Protocol):
-    """What runs the blocking work: a concurrent.futures executor, agent.common.pool.DaemonPool."""
+    """What runs the blocking work: a concurrent.futures executor, e.g. a lane of agent.common.executor."""
 
     def submit(self, fn: Callable, /, *args) -> Future: ...
 
@@ -111,7 +111,7 @@ class TreeFollower(Generic[W]):
         self._batch_window_s = batch_window_s
         self._stop_wait_s = stop_wait_s
         self._executor = executor
-        self._own_pool: DaemonPool | None = None
+        self._own: blocking.Executor | None = None  # threads of its own, when built without an executor
         self._proc_fd = os.path.isdir("/proc/self/fd")
         self._mask = mask if self._proc_fd else mask | flags.DONT_FOLLOW  # see WATCH_MASK
         self._watches: dict[int, str] = {}  # wd -> directory relative to the root ("" is the root)
@@ -177,7 +177,8 @@ class TreeFollower(Generic[W]):
                             extra={"root": self._root, "error": str(exc)})
             return
         if self._executor is None:
-            self._executor = self._own_pool = DaemonPool(max_threads=1, name=self.tasks.component)
+            self._own = blocking.Executor(name=self.tasks.component)
+            self._executor = self._own.lane("walks")
         self._loop.add_reader(self._inotify.fileno(), self._on_readable)
         self.tasks.start("follow", self._follow, reset=self._reset)
 
@@ -198,8 +199,8 @@ class TreeFollower(Generic[W]):
             await asyncio.wait([asyncio.wrap_future(self._inflight)], timeout=self._stop_wait_s)
         if self._inflight is None or self._inflight.done():
             self._inotify.close()
-        if self._own_pool is not None:
-            self._own_pool.close()
+        if self._own is not None:
+            self._own.close()
         self._state = "stopped"
 
     def readiness(self) -> tuple[bool, str]:

@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from agent.common.pool import DaemonPool
+from agent.common.executor import Executor
 from agent.steps.cursors import Position
 from agent.steps.reader import read_ranks
 from agent.steps.records import RankKey
@@ -40,7 +40,7 @@ class HeldReads:
 
     def __init__(self, release: threading.Event, entered: threading.Event | None = None):
         self.release, self.entered = release, entered or threading.Event()
-        self.pool = DaemonPool(max_threads=1, name="held-reads")
+        self.pool = Executor(name="held-reads").lane("reads")
 
     def submit(self, fn, *args):
         if fn is read_ranks:

@@ -8,7 +8,7 @@ import logging
 import os
 import shutil
 
-from agent.common.pool import DaemonPool
+from agent.common.executor import Executor
 from agent.fstree.events import CLOSED, DIR_GONE, DIR_NEW, LAST_GONE
 from agent.fstree.paths import join
 from agent.fstree.tree import TreeFollower
@@ -21,7 +21,7 @@ class Counting:
     """An executor shared with others: counts what it is given."""
 
     def __init__(self):
-        self.pool = DaemonPool(max_threads=2, name="shared")
+        self.pool = Executor(name="shared").lane("walks", 2)
         self.submitted = 0
 
     def submit(self, fn, *args):

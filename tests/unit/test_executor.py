@@ -175,8 +175,8 @@ def test_a_calls_time_out_counts_from_its_start_not_from_its_wait_for_a_turn():
     async def body():
         executor = Executor()
         lane = executor.lane("driver", 1)
-        # The second call waits 0.6 s for the first, then runs 0.6 s: 1.2 s in all, each within its 1 s.
-        calls = [asyncio.ensure_future(lane.run(time.sleep, 0.6, timeout=1.0)) for _ in range(2)]
+        # The second call waits 1 s for the first, then runs 1 s: 2 s in all, each within its 1.9 s.
+        calls = [asyncio.ensure_future(lane.run(time.sleep, 1.0, timeout=1.9)) for _ in range(2)]
         assert await asyncio.gather(*calls) == [None, None]
         assert lane.counters["timeouts"] == 0
         executor.close()
