@@ -147,7 +147,9 @@ class ClusterdSink:
         while True:
             await self._channel.wait_for_state_change(state)
             new = self._channel.get_state()
-            if state is grpc.ChannelConnectivity.READY and new is not grpc.ChannelConnectivity.READY:
+            # It left READY, even if it is READY again by now: on a busy node a restarted ClusterD
+            # can be reconnected to before this loop runs, and is empty all the same.
+            if state is grpc.ChannelConnectivity.READY:
                 self._reassert_soon("connection lost")
             if new is grpc.ChannelConnectivity.IDLE and self._view.held:
                 new = self._channel.get_state(try_to_connect=True)
