@@ -89,7 +89,8 @@ class AgentProcess:
             return exc.code, exc.read().decode()
 
     def metrics(self) -> dict[tuple, float]:
-        """{(name, frozenset(labels without node)): value} of the agent's scrape; every sample must carry node."""
+        """{(name, frozenset(labels without node)): value} of the agent's scrape; every sample must carry node
+        and none `job`."""
         status, text = self.http("/metrics")
         assert status == 200
         samples = {}
@@ -97,6 +98,7 @@ class AgentProcess:
             for sample in family.samples:
                 labels = dict(sample.labels)
                 assert labels.pop("node", None) == "test-node", f"{sample.name} lacks the node label"
+                assert "job" not in labels, f"{sample.name}: `job` is the scrape's own label"
                 if "pod_name" in labels and labels["pod_name"] == "":  # a free NPU: match without its pod labels
                     for key in ("namespace", "pod_name", "container_name"):
                         labels.pop(key, None)

@@ -28,9 +28,11 @@ from pathlib import Path
 
 from agent.common.fsutil import atomic_write, read_state
 from agent.steps.detect import SlowRankDetector
+from agent.steps import pairing, records
 from agent.steps.records import RankKey, parse
 from agent.steps.pairing import CHECKPOINT, DATALOADER, FORWARD, RankAssembler, StepSample
 from agent.steps.cursors import Position
+from agent.steps.tail import BAD_INPUT_REASONS
 from agent.lifecycle import Tasks
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,12 @@ IDLE_GRACE_S = 600.0  # a rank with no new record for this long is dropped (its 
 UPKEEP_S = 5.0  # expiry and saving of the state
 MAX_HELD = 131_072  # entries held for unfinished ranges and steps, over all ranks: ~46 MiB at worst (measured)
 MAX_PROCESSES = 16  # per rank, the processes whose newest step is kept (a rank runs one at a time)
+# Every reason a skip is counted under: each is exported from the start, at 0, so that a rate() sees the first one.
+PARSE_ERROR_REASONS = (*records.ERROR_REASONS, *pairing.ERROR_REASONS, *BAD_INPUT_REASONS, "node_limit")
+# A job the Kubernetes pod watch does not name (the watch is off, or no pod of this node sets that
+# MINDX_TASK_ID): named by its id, in this namespace. Not a DNS label, so no real namespace is taken
+# for it, and never empty: an empty label is no label, and a scrape would fill in the agent's own namespace.
+UNKNOWN_NAMESPACE = "_unknown"
 LOGGED_MAX = 4096  # (rank, file, reason) whose last log time is kept
 
 
@@ -113,7 +121,7 @@ class StepMetrics:
                  upkeep_s: float = UPKEEP_S, max_held: int = MAX_HELD):
         self.detector = detector or SlowRankDetector()
         self.ranks: dict[RankKey, RankSeries] = {}
-        self.parse_errors: Counter = Counter()  # reason -> count
+        self.parse_errors: Counter = Counter(dict.fromkeys(PARSE_ERROR_REASONS, 0))  # reason -> count
         self.tasks = Tasks(self.name)
         self._state_file = state_file
         self._clock = clock
@@ -290,7 +298,9 @@ class StepMetrics:
         self._unsaved = False
 
     def job_labels(self, job_id: str) -> tuple[str, str]:
-        return self._job_labels(job_id)
+        """(namespace, job name): the pod watch's, else (UNKNOWN_NAMESPACE, the job id)."""
+        namespace, name = self._job_labels(job_id)
+        return namespace or UNKNOWN_NAMESPACE, name or job_id
 
 
 def _parse_state(doc: dict) -> dict[str, tuple[dict, dict | None]]:

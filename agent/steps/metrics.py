@@ -11,7 +11,8 @@ from agent.steps.detect import REASONS
 
 
 class StepCollector:
-    """`training_*` families (`slownode.md` §9): per rank, per job on this node, and the parser's health."""
+    """`training_*` families: per rank, per job on this node, and the parser's health. Every family
+    of a job carries node, namespace, job_name and job_id (see `StepMetrics.job_labels`)."""
 
     def __init__(self, node: str, steps, clock=time.time):
         self._node = node
@@ -44,10 +45,10 @@ class StepCollector:
                                  labels=[*rank_labels, "reason"])
         detections = CounterMetricFamily("training_slow_detections", "Times the rank was found slow, by reason",
                                          labels=[*rank_labels, "reason"])
-        records = CounterMetricFamily("training_profiling_records", "Profiling records read",
-                                      labels=["node", "job_id", "rank"])
+        job_rank_labels = ["node", "namespace", "job_name", "job_id", "rank"]  # no pp_stage: known only once read
+        records = CounterMetricFamily("training_profiling_records", "Profiling records read", labels=job_rank_labels)
         lag = GaugeMetricFamily("training_profiling_lag_seconds", "Now minus the newest host record timestamp read",
-                                labels=["node", "job_id", "rank"])
+                                labels=job_rank_labels)
         jobs: dict[str, tuple[str, str, str]] = {}  # job_id -> its namespace, name and id as label values
         for key, series in sorted(steps.ranks.items(), key=lambda kv: (kv[0].job_id, kv[0].rank)):
             if key.job_id not in jobs:
@@ -73,17 +74,20 @@ class StepCollector:
             for reason in REASONS:
                 slow.add_metric([*labels, reason], int(state is not None and state.slow[reason]))
                 detections.add_metric([*labels, reason], state.detections[reason] if state is not None else 0)
-            records.add_metric([node, job_id, str(key.rank)], series.records)
+            records.add_metric(labels[:5], series.records)
             newest = series.assembler.newest_host_ns
             if newest:
-                lag.add_metric([node, job_id, str(key.rank)], max(0.0, now - newest / 1e9))
+                lag.add_metric(labels[:5], max(0.0, now - newest / 1e9))
         node_slow = GaugeMetricFamily("training_node_slow", "1 while this node is slow for the job, by reason",
                                       labels=["node", "namespace", "job_name", "job_id", "reason"])
         for job, (namespace, job_name, job_id) in jobs.items():
             for reason, value in steps.detector.node_verdict(job).items():
                 node_slow.add_metric([node, namespace, job_name, job_id, reason], int(value))
-        errors = CounterMetricFamily("training_profiling_parse_errors", "Bad profiling input skipped, by reason",
-                                     labels=["node", "reason"])
+        # Per node only: some reasons have no job (a directory not named like a job or rank, the node-wide
+        # limit), and the log line of each skip names its job and rank.
+        errors = CounterMetricFamily("training_profiling_parse_errors",
+                                     "Bad profiling input skipped on the node, by reason (the log names the job and "
+                                     "rank)", labels=["node", "reason"])
         for reason, count in sorted(steps.parse_errors.items()):
             errors.add_metric([node, reason], count)
         yield from (duration, phases, last, completed, total, baseline, ratio, compute, slow, detections, node_slow,

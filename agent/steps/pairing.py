@@ -30,6 +30,8 @@ FORWARD, DATALOADER, CHECKPOINT = "forward", "dataloader", "save_checkpoint"
 _PHASES = {b"forward": FORWARD, b"dataloader": DATALOADER, b"save_checkpoint": CHECKPOINT}
 _STEP = re.compile(rb"step\D{0,8}?(\d{1,18})")
 _NO_NAME = frozenset((b"", b"NULL", b"(null)"))
+ERROR_REASONS = ("unpaired", "id_reused", "negative_duration", "unnamed_range", "bad_step_name", "step_incomplete",
+                 "device_range_missing")  # the keys of RankAssembler.errors
 MAX_OPEN = 4096  # half-seen ranges kept per rank; the oldest beyond are dropped as unpaired
 MAX_STEPS = 16_384  # steps kept per rank until a batch ends (a 4 MiB read holds ~1,500)
 MAX_PHASES = 20_000  # completed phase ranges waiting for their step

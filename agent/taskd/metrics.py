@@ -1,4 +1,7 @@
-"""Metrics of the TaskD proxy, rendered at scrape time from its state."""
+"""Metrics of the TaskD proxy, rendered at scrape time from its state.
+
+A job is labelled `job_id` (its MINDX_TASK_ID), never `job`: that is Prometheus's own target label,
+which a scrape with honorLabels would let the agent's value overwrite."""
 
 from __future__ import annotations
 
@@ -39,21 +42,21 @@ class TaskdProxyCollector:
         yield refused
         held_bytes = GaugeMetricFamily("npu_agent_taskd_proxy_buffer_bytes",
                                        "Bytes of messages the proxy holds now (to a manager or queued for a worker)",
-                                       labels=["node", "job"])
+                                       labels=["node", "job_id"])
         overflows = CounterMetricFamily("npu_agent_taskd_proxy_overflows_total",
                                         "Messages refused with RecvBufBusy (5001): the job's or the node's buffer "
                                         "(bytes), a manager's held queue or a worker's stream queue was full",
-                                        labels=["node", "job"])
+                                        labels=["node", "job_id"])
         connected = GaugeMetricFamily("npu_agent_taskd_proxy_connected",
                                       "Processes with an open TaskNet stream, by job and role",
-                                      labels=["node", "job", "role"])
+                                      labels=["node", "job_id", "role"])
         held = GaugeMetricFamily("npu_agent_taskd_proxy_queue_depth",
-                                 "Messages held for a job's unreachable manager", labels=["node", "job"])
+                                 "Messages held for a job's unreachable manager", labels=["node", "job_id"])
         up = GaugeMetricFamily("npu_agent_taskd_proxy_manager_up",
-                               "1 when the link to the job's TaskD manager is established", labels=["node", "job"])
+                               "1 when the link to the job's TaskD manager is established", labels=["node", "job_id"])
         reconnects = CounterMetricFamily("npu_agent_taskd_proxy_manager_connects_total",
                                          "Links established to the job's manager (registration and path replay done)",
-                                         labels=["node", "job"])
+                                         labels=["node", "job_id"])
         for job in list(proxy.jobs.values()):
             roles = {"Worker": 0, "Agent": 0}
             for pos in job.downstreams:

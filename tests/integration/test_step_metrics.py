@@ -15,6 +15,8 @@ from testkit.wait import wait_until
 JOB = "0f4c1ad2-job-uid"
 FILE = "1800000000"
 STEP_S = 0.5
+# Without the pod watch a job is named by its id, in a namespace no real one can be called.
+NO_KUBE = dict(namespace="_unknown", job_name=JOB, job_id=JOB)
 
 
 class Writer:
@@ -48,7 +50,7 @@ class Writer:
 
 
 def steps_counted(agent, rank: int) -> float | None:
-    return agent.metric("training_steps_completed_total", namespace="", job_name="", job_id=JOB, rank=rank,
+    return agent.metric("training_steps_completed_total", **NO_KUBE, rank=rank,
                         pp_stage=rank // 2)
 
 
@@ -57,13 +59,16 @@ def test_live_records_become_step_metrics_a_slow_rank_is_flagged_and_a_restart_c
     root = tmp_path / "profiling"
     writer = Writer(root)
     agent, _ = start_agent(profiling={"root": str(root)})
+    # Every reason is there from the start, so that an alert's rate() sees the first bad line.
+    wait_until(lambda: agent.metric("training_profiling_parse_errors_total", reason="not_json") == 0, 10,
+               "the parse errors at 0")
 
     writer.steps(30)
     writer.flush(keep_partial=True)  # a write may end inside a line
     writer.steps(50)
     writer.flush()
     wait_until(lambda: all(steps_counted(agent, r) == 80 for r in range(4)), 10, "80 steps of every rank")
-    labels = dict(namespace="", job_name="", job_id=JOB, rank=3, pp_stage=1)
+    labels = dict(**NO_KUBE, rank=3, pp_stage=1)
     assert agent.metric("training_step_duration_seconds_count", clock="device", **labels) == 80
     total = agent.metric("training_step_duration_seconds_sum", clock="device", **labels)
     assert 80 * STEP_S * 0.95 < total < 80 * STEP_S * 1.05
@@ -71,7 +76,12 @@ def test_live_records_become_step_metrics_a_slow_rank_is_flagged_and_a_restart_c
     assert abs(agent.metric("training_step_last_completed_timestamp_seconds", **labels) - writer.start_s) < 0.01
     assert 0.95 * STEP_S < agent.metric("training_step_baseline_seconds", **labels) < 1.05 * STEP_S
     assert agent.metric("training_rank_slow", reason="compute", **labels) == 0
-    assert agent.metric("training_profiling_records_total", job_id=JOB, rank=3) == 80 * 14
+    assert agent.metric("training_profiling_records_total", **NO_KUBE, rank=3) == 80 * 14
+    assert agent.metric("training_profiling_lag_seconds", **NO_KUBE, rank=3) >= 0
+    # Every series of a training family names its job in full (an empty label would be no label).
+    training = [dict(labels) for name, labels in agent.metrics() if name.startswith("training_")]
+    assert all(labels.items() >= NO_KUBE.items() for labels in training if "job_id" in labels)
+    assert all("job_id" in labels for labels in training if not labels.keys() <= {"reason"})
 
     # Bad lines are counted by reason and skipped; the steps around them still count.
     writer.job.append(0, FILE, "this is not json\n" + '{"Kind":1,"Flag":"2"}\n')
@@ -85,11 +95,11 @@ def test_live_records_become_step_metrics_a_slow_rank_is_flagged_and_a_restart_c
     onset = time.monotonic()
     writer.steps(4, slow_rank=2)
     writer.flush()
-    wait_until(lambda: agent.metric("training_rank_slow", namespace="", job_name="", job_id=JOB, rank=2, pp_stage=1,
+    wait_until(lambda: agent.metric("training_rank_slow", **NO_KUBE, rank=2, pp_stage=1,
                                     reason="compute") == 1, 10, "rank 2 flagged")
     assert time.monotonic() - onset < 5
     for rank in (0, 1, 3):
-        assert agent.metric("training_rank_slow", namespace="", job_name="", job_id=JOB, rank=rank,
+        assert agent.metric("training_rank_slow", **NO_KUBE, rank=rank,
                             pp_stage=rank // 2, reason="compute") == 0
     wait_until(lambda: all(steps_counted(agent, r) == 89 for r in range(4)), 10, "89 steps")
 

@@ -134,7 +134,7 @@ def test_two_jobs_with_the_same_positions_never_mix(node):
     # same position counted in the wrong job.
     assert [peer.name for peer in n.workers.values() if peer.events("stream_lost")] == []
     assert n.agent.metric("npu_agent_taskd_proxy_connections_refused_total") == 0
-    assert n.agent.metric("npu_agent_taskd_proxy_connected", job="job-a", role="Worker") == 4
+    assert n.agent.metric("npu_agent_taskd_proxy_connected", job_id="job-a", role="Worker") == 4
     assert n.agent.metric("npu_agent_taskd_proxy_messages_total", direction="up", result="delivered") == 8
 
 
@@ -151,7 +151,7 @@ def test_manager_restart_loses_no_accepted_message_and_reaches_workers_again(nod
     for uid in held:
         n.workers["job-a", int(uid.split("-")[1])].send(op="send", uuid=uid, dst=MGR, body=uid, sync=True,
                                                          mtype="DEFAULT")
-    wait_until(lambda: n.agent.metric("npu_agent_taskd_proxy_queue_depth", job="job-a") == len(held), 10,
+    wait_until(lambda: n.agent.metric("npu_agent_taskd_proxy_queue_depth", job_id="job-a") == len(held), 10,
                "all messages held")
 
     restarted = n.start_manager("job-a")
@@ -174,7 +174,7 @@ def test_manager_restart_loses_no_accepted_message_and_reaches_workers_again(nod
         assert not n.workers["job-a", rank].events("rejoined")
     sent = restarted.transfer(pos("Worker", 0, 1), body="after restart", sync=True, uuid="after")
     assert (sent["code"], sent["ack_src"]) == (0, pos("Worker", 0, 1))
-    assert n.agent.metric("npu_agent_taskd_proxy_manager_connects_total", job="job-a") == 2
+    assert n.agent.metric("npu_agent_taskd_proxy_manager_connects_total", job_id="job-a") == 2
 
 
 def test_disconnected_worker_leaves_routing_and_unreachable_manager_is_reported(node):
@@ -184,7 +184,7 @@ def test_disconnected_worker_leaves_routing_and_unreachable_manager_is_reported(
     n.agent.wait_for_log("TaskD process disconnected; its routes removed", position="Worker/0/1")
     sent = mgr.transfer(pos("Worker", 0, 1), sync=True, body="gone?")
     assert sent["code"] == 5002  # no route: the proxy forgot the worker
-    assert n.agent.metric("npu_agent_taskd_proxy_connected", job="job-a", role="Worker") == 1
+    assert n.agent.metric("npu_agent_taskd_proxy_connected", job_id="job-a", role="Worker") == 1
 
     mgr.kill()
     n.agent.wait_for_log("TaskD manager unreachable; holding messages for it", job="job-a")
@@ -245,7 +245,7 @@ def test_with_kubernetes_a_worker_speaks_only_for_the_job_of_its_pod(pod_cgroup,
     refused = refusals_of(n.agent, impostor, wait=10)[0]
     assert "belongs to job job-b (team/job-b)" in refused["reason"], refused
     assert refusals_of(n.agent, peer) == []
-    assert n.agent.metric("npu_agent_taskd_proxy_connected", job="job-a", role="Worker") == 1
+    assert n.agent.metric("npu_agent_taskd_proxy_connected", job_id="job-a", role="Worker") == 1
 
 
 def refusals_of(agent, peer, wait: float = 0) -> list[dict]:
@@ -273,7 +273,7 @@ def test_routes_are_never_lost_whatever_the_order_of_joins(node):
         peers.append(before)
         for i in range(3):  # held for the absent manager: the link is busy flushing them later
             before.send(op="send", uuid=f"held-{round_}-{i}", dst=MGR, body="", sync=True, mtype="DEFAULT")
-        wait_until(lambda: n.agent.metric("npu_agent_taskd_proxy_queue_depth", job="job-a") == 3, 10,
+        wait_until(lambda: n.agent.metric("npu_agent_taskd_proxy_queue_depth", job_id="job-a") == 3, 10,
                    "three messages held")
         mgr = n.start_manager("job-a")
         mgr.request("config", "configured", path_delay=0.2, transfer_delay=0.4)
@@ -281,7 +281,7 @@ def test_routes_are_never_lost_whatever_the_order_of_joins(node):
         # The proxy is registered and now replays paths and flushes the held messages: join now.
         during = n.start_worker("job-a", 3 * round_ + 1, wait_ready=False)
         peers.append(during)
-        wait_until(lambda: n.agent.metric("npu_agent_taskd_proxy_manager_up", job="job-a") == 1, 20, "link up")
+        wait_until(lambda: n.agent.metric("npu_agent_taskd_proxy_manager_up", job_id="job-a") == 1, 20, "link up")
         during.wait_event("ready", 20)
         peers.append(n.start_worker("job-a", 3 * round_ + 2))
         for i in range(3):
@@ -303,7 +303,7 @@ def test_proxy_restart_every_worker_rejoins_and_is_reached(node):
         n.agent.start()
         for rank in RANKS:
             n.workers["job-a", rank].wait_event("rejoined", 20, since=marks[rank])
-        wait_until(lambda: n.agent.metric("npu_agent_taskd_proxy_manager_up", job="job-a") == 1, 20, "link up")
+        wait_until(lambda: n.agent.metric("npu_agent_taskd_proxy_manager_up", job_id="job-a") == 1, 20, "link up")
         for rank in RANKS:
             peer = n.workers["job-a", rank]
             ok, sent = reached(mgr, peer)
@@ -358,16 +358,16 @@ def test_a_flood_of_held_messages_is_bounded_in_bytes(node):
     uids = [f"big-{i}" for i in range(15)]
     outcome = {}
     for uid in uids:
-        held = n.agent.metric("npu_agent_taskd_proxy_queue_depth", job="job-a")
+        held = n.agent.metric("npu_agent_taskd_proxy_queue_depth", job_id="job-a")
         peer.send(op="send", uuid=uid, dst=MGR, body_size=7 << 20, sync=True, mtype="DEFAULT")
         outcome[uid] = wait_until(
             lambda: next((e["code"] for e in peer.events("sent") if e["uuid"] == uid), None)
-            or ("held" if n.agent.metric("npu_agent_taskd_proxy_queue_depth", job="job-a") > held else None),
+            or ("held" if n.agent.metric("npu_agent_taskd_proxy_queue_depth", job_id="job-a") > held else None),
             30, f"{uid} refused or held")
     held = [uid for uid in uids if outcome[uid] == "held"]
     assert [outcome[uid] for uid in uids] == ["held"] * 2 + [5001] * 13, outcome
-    assert n.agent.metric("npu_agent_taskd_proxy_buffer_bytes", job="job-a") > 14 << 20
-    assert n.agent.metric("npu_agent_taskd_proxy_overflows_total", job="job-a") == 13
+    assert n.agent.metric("npu_agent_taskd_proxy_buffer_bytes", job_id="job-a") > 14 << 20
+    assert n.agent.metric("npu_agent_taskd_proxy_overflows_total", job_id="job-a") == 13
     grown_mib = (vm_kib(pid, "VmHWM") - before) / 1024
     assert grown_mib < 100, f"the agent grew {grown_mib:.0f} MiB holding 14 MiB of messages"
     n.agent.wait_for_log("TaskD proxy refused a message: no room (RecvBufBusy 5001)", job="job-a")
@@ -378,4 +378,4 @@ def test_a_flood_of_held_messages_is_bounded_in_bytes(node):
         assert sent["code"] == 0, sent
         assert len(received(mgr, uid)["body"]) == 7 << 20
     assert sorted(u for u in uuids_received(mgr) if u.startswith("big-")) == held
-    wait_until(lambda: n.agent.metric("npu_agent_taskd_proxy_buffer_bytes", job="job-a") == 0, 10, "budget empty")
+    wait_until(lambda: n.agent.metric("npu_agent_taskd_proxy_buffer_bytes", job_id="job-a") == 0, 10, "budget empty")

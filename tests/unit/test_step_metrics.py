@@ -128,7 +128,7 @@ def test_bad_input_is_counted_by_reason_and_logged_once_a_minute(tmp_path, caplo
         steps.on_lines(KEY, "1800000000", 0, b"garbage\n")
     steps.on_bad_input(KEY, "file_truncated", "1800000000 shrank")
     steps.on_group(KEY, {"g": {"group_name": "pp", "global_ranks": [4, 5]}})  # does not list rank 0
-    assert steps.parse_errors == {"not_json": 3, "file_truncated": 1, "parallel_group": 1}
+    assert +steps.parse_errors == {"not_json": 3, "file_truncated": 1, "parallel_group": 1}
     assert len([r for r in caplog.records if "not_json" == getattr(r, "reason", "")]) == 1
     clock.now += 61
     steps.on_lines(KEY, "1800000000", 0, b"garbage\n")
@@ -163,7 +163,7 @@ def test_every_dropped_marker_is_counted(tmp_path):
     steps, _ = consumer(tmp_path, Clock())
     steps.on_lines(KEY, "1800000000", 0, b"".join(marker(2, i, f"op {i}") for i in range(MAX_OPEN + 10)))
     steps.on_batch_end()
-    assert steps.parse_errors == {"unpaired": 10}
+    assert +steps.parse_errors == {"unpaired": 10}
 
 
 def test_what_ranks_hold_for_unfinished_ranges_is_bounded_per_node(tmp_path, caplog):
@@ -205,7 +205,7 @@ def test_logging_bad_input_keeps_a_bounded_memory_of_what_it_logged(tmp_path, ca
     caplog.set_level(logging.WARNING)
     for file in range(LOGGED_MAX + 10):  # as many files, each with a bad line, within a minute
         steps.on_lines(KEY, f"{1800000000 + file}", 0, b"garbage\n")
-    assert steps.parse_errors == {"not_json": LOGGED_MAX + 10}
+    assert +steps.parse_errors == {"not_json": LOGGED_MAX + 10}
     assert len(caplog.records) == LOGGED_MAX  # the rest only counted
     clock.now += 61
     steps.on_lines(KEY, "1900000000", 0, b"garbage\n")

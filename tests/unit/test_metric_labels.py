@@ -1,0 +1,38 @@
+"""Label names every dashboard and alert relies on, checked over every family of every collector of the
+agent (those without a series included: each family keeps its label names)."""
+
+from __future__ import annotations
+
+from agent.steps.consumer import PARSE_ERROR_REASONS, StepMetrics
+from agent.steps.metrics import StepCollector
+from tests.support import gendocs
+
+JOB_LABELS = {"node", "namespace", "job_name", "job_id"}
+
+
+def test_no_family_has_a_label_named_job():
+    # `job` is Prometheus's own target label: with honorLabels the agent's value would replace it.
+    families = gendocs.metric_families()
+    assert "npu_agent_taskd_proxy_connected" in families  # the proxy's families are among them
+    assert [name for name, (_, labels, _) in families.items() if "job" in labels] == []
+
+
+def test_every_training_family_of_a_job_names_the_job_in_full():
+    families = {name: set(labels) for name, (_, labels, _) in gendocs.metric_families().items()
+                if name.startswith("training_")}
+    per_node = {"training_profiling_parse_errors_total"}  # see its HELP: not every reason has a job
+    assert [name for name, labels in families.items() if name not in per_node and not JOB_LABELS <= labels] == []
+    assert [name for name, labels in families.items() if "job_id" in labels and name != "training_node_slow"
+            and "rank" not in labels] == []
+
+
+def test_a_job_the_pod_watch_does_not_know_is_named_by_its_id_and_parse_errors_start_at_zero(tmp_path):
+    known = {"uid-1": ("team-a", "llama")}
+    steps = StepMetrics(tmp_path / "steps.json", job_labels=lambda job_id: known.get(job_id, ("", "")))
+    assert steps.job_labels("uid-1") == ("team-a", "llama")
+    assert steps.job_labels("uid-2") == ("_unknown", "uid-2")
+    assert StepMetrics(tmp_path / "other.json").job_labels("uid-1") == ("_unknown", "uid-1")  # no pod watch
+
+    [errors] = [f for f in StepCollector("n", steps).collect() if f.name == "training_profiling_parse_errors"]
+    assert {s.labels["reason"]: s.value for s in errors.samples if s.name.endswith("_total")} == \
+        dict.fromkeys(PARSE_ERROR_REASONS, 0)
