@@ -159,7 +159,8 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
         from agent.steps.metrics import StepCollector
         from agent.steps.tail import ProfilingTailer
 
-        steps = StepMetrics(state_dir / "steps.json", job_labels=jobs.labels if jobs else None)
+        steps = StepMetrics(state_dir / "steps.json", job_labels=jobs.labels if jobs else None,
+                            job_pods=jobs.pods if jobs else None)
         tailer = ProfilingTailer(Path(config.profiling.root), state_dir / "profiling-offsets.json", steps,
                                  executor=executor.lane("profiling-tailer"))
         collectors.append(StepCollector(node, steps))

@@ -25,6 +25,7 @@ class JobRef:
     namespace: str
     job_name: str
     pod_uid: str = ""
+    pod_name: str = ""
 
 
 def job_of(labels: dict[str, str]) -> str | None:
@@ -44,16 +45,17 @@ def job_ref(pod) -> JobRef | None:
     if not job_id:
         return None
     name = job_of(meta.labels or {}) or (owner.name if owner else "")
-    return JobRef(job_id, meta.namespace or "", name, meta.uid or "")
+    return JobRef(job_id, meta.namespace or "", name, meta.uid or "", meta.name or "")
 
 
 class JobDirectory:
-    """Answers `labels(job_id)` and `job_of_pod(uid)` from this node's pods."""
+    """Answers `labels(job_id)`, `pods(job_id)` and `job_of_pod(uid)` from this node's pods."""
 
     def __init__(self, pods: NodePods):
         self._pods = pods
         self._jobs: dict[str, tuple[str, str]] = {}
         self._by_uid: dict[str, JobRef] = {}
+        self._job_pods: dict[str, tuple[str, ...]] = {}  # job id -> names of its pods on this node
         pods.subscribe(job_ref, self._changed)
 
     @property
@@ -63,6 +65,10 @@ class JobDirectory:
     def labels(self, job_id: str) -> tuple[str, str]:
         """(namespace, job name) of the job, ("", "") while no pod of it is known."""
         return self._jobs.get(job_id, ("", ""))
+
+    def pods(self, job_id: str) -> tuple[str, ...]:
+        """Names of the job's pods on this node now, sorted."""
+        return self._job_pods.get(job_id, ())
 
     def job_of_pod(self, uid: str) -> JobRef | None:
         """The job of a pod on this node now, None for an unknown pod or one that names no job."""
@@ -76,3 +82,7 @@ class JobDirectory:
         kept = gone[-KEEP_GONE:]
         self._jobs = {**{job: self._jobs[job] for job in kept}, **current}
         self._by_uid = {ref.pod_uid: ref for ref in refs.values() if ref.pod_uid}
+        pods: dict[str, list[str]] = {}
+        for ref in refs.values():
+            pods.setdefault(ref.job_id, []).append(ref.pod_name)
+        self._job_pods = {job: tuple(sorted(names)) for job, names in pods.items()}

@@ -118,6 +118,7 @@ class StepMetrics:
 
     def __init__(self, state_file: Path, *, detector: SlowRankDetector | None = None,
                  clock: Callable[[], float] = time.time, job_labels: Callable[[str], tuple[str, str]] | None = None,
+                 job_pods: Callable[[str], tuple[str, ...]] | None = None,
                  upkeep_s: float = UPKEEP_S, max_held: int = MAX_HELD):
         self.detector = detector or SlowRankDetector()
         self.ranks: dict[RankKey, RankSeries] = {}
@@ -126,6 +127,7 @@ class StepMetrics:
         self._state_file = state_file
         self._clock = clock
         self._job_labels = job_labels or (lambda job_id: ("", ""))
+        self._job_pods = job_pods or (lambda job_id: ())
         self._upkeep_s = upkeep_s
         self._max_held = max_held
         self._held = 0  # sum of the ranks' `held`
@@ -301,6 +303,12 @@ class StepMetrics:
         """(namespace, job name): the pod watch's, else (UNKNOWN_NAMESPACE, the job id)."""
         namespace, name = self._job_labels(job_id)
         return namespace or UNKNOWN_NAMESPACE, name or job_id
+
+    def pod_of(self, job_id: str) -> str:
+        """The pod of the job's ranks on this node: known only when the job has one pod here (the
+        records name no pod, and the device they name is numbered inside the container), else ""."""
+        pods = self._job_pods(job_id)
+        return pods[0] if len(pods) == 1 else ""
 
 
 def _parse_state(doc: dict) -> dict[str, tuple[dict, dict | None]]:

@@ -49,12 +49,19 @@ class StepCollector:
         records = CounterMetricFamily("training_profiling_records", "Profiling records read", labels=job_rank_labels)
         lag = GaugeMetricFamily("training_profiling_lag_seconds", "Now minus the newest host record timestamp read",
                                 labels=job_rank_labels)
+        info = GaugeMetricFamily("training_rank_info",
+                                 "1 per rank; pod_name is the rank's pod when its job has one pod on this node, "
+                                 "else empty (the records do not name the pod)",
+                                 labels=[*job_rank_labels, "pod_name"])
         jobs: dict[str, tuple[str, str, str]] = {}  # job_id -> its namespace, name and id as label values
+        pods: dict[str, str] = {}  # job_id -> pod_name
         for key, series in sorted(steps.ranks.items(), key=lambda kv: (kv[0].job_id, kv[0].rank)):
             if key.job_id not in jobs:
                 jobs[key.job_id] = tuple(map(_label, (*steps.job_labels(key.job_id), key.job_id)))
+                pods[key.job_id] = _label(steps.pod_of(key.job_id))
             namespace, job_name, job_id = jobs[key.job_id]
             labels = [node, namespace, job_name, job_id, str(key.rank), series.stage]
+            info.add_metric([*labels[:5], pods[key.job_id]], 1)
             for clock, histogram in sorted(series.steps.items()):
                 duration.add_metric([*labels, clock], histogram.buckets(), histogram.total)
             for phase, histogram in sorted(series.phases.items()):
@@ -90,8 +97,8 @@ class StepCollector:
                                      "rank)", labels=["node", "reason"])
         for reason, count in sorted(steps.parse_errors.items()):
             errors.add_metric([node, reason], count)
-        yield from (duration, phases, last, completed, total, baseline, ratio, compute, slow, detections, node_slow,
-                    records, lag, errors)
+        yield from (info, duration, phases, last, completed, total, baseline, ratio, compute, slow, detections,
+                    node_slow, records, lag, errors)
 
 
 def _label(value: str) -> str:

@@ -52,8 +52,8 @@ class TaskdProxyCollector:
                                       labels=["node", "job_id", "role"])
         held = GaugeMetricFamily("npu_agent_taskd_proxy_queue_depth",
                                  "Messages held for a job's unreachable manager", labels=["node", "job_id"])
-        up = GaugeMetricFamily("npu_agent_taskd_proxy_manager_up",
-                               "1 when the link to the job's TaskD manager is established", labels=["node", "job_id"])
+        up = GaugeMetricFamily("npu_agent_taskd_proxy_manager_up", "1 when the link to the job's TaskD manager is "
+                               "established", labels=["node", "job_id"])
         reconnects = CounterMetricFamily("npu_agent_taskd_proxy_manager_connects_total",
                                          "Links established to the job's manager (registration and path replay done)",
                                          labels=["node", "job_id"])

@@ -79,7 +79,11 @@ def test_live_records_become_step_metrics_a_slow_rank_is_flagged_and_a_restart_c
     assert agent.metric("training_profiling_records_total", **NO_KUBE, rank=3) == 80 * 14
     assert agent.metric("training_profiling_lag_seconds", **NO_KUBE, rank=3) >= 0
     # Every series of a training family names its job in full (an empty label would be no label).
-    training = [dict(labels) for name, labels in agent.metrics() if name.startswith("training_")]
+    # (The rank's pod is not known without the pod watch: testkit matches an empty pod_name without
+    # its pod labels, namespace among them.)
+    assert agent.metric("training_rank_info", job_name=JOB, job_id=JOB, rank=3) == 1
+    training = [dict(labels) for name, labels in agent.metrics()
+                if name.startswith("training_") and name != "training_rank_info"]
     assert all(labels.items() >= NO_KUBE.items() for labels in training if "job_id" in labels)
     assert all("job_id" in labels for labels in training if not labels.keys() <= {"reason"})
 
@@ -143,6 +147,13 @@ def test_series_carry_the_namespace_and_job_name_of_the_local_pods(start_agent, 
     wait_until(lambda: agent.metric("training_steps_completed_total", namespace="team-b", job_name="gpt",
                                     job_id="uid-gpt", rank=1, pp_stage=0) == 1, 10, "gpt's step with its labels")
     assert agent.metric("training_node_slow", namespace="team-a", job_name="llama", job_id=JOB, reason="ranks") == 0
+    # Each job has one pod here, so an alert can name a rank's pod.
+    assert agent.metric("training_rank_info", namespace="team-a", job_name="llama", job_id=JOB, rank=3,
+                        pod_name="llama-0") == 1
+    assert agent.metric("training_rank_info", namespace="team-b", job_name="gpt", job_id="uid-gpt", rank=0,
+                        pod_name="gpt-0") == 1
+    assert agent.metric("training_profiling_lag_seconds", namespace="team-b", job_name="gpt", job_id="uid-gpt",
+                        rank=0) >= 0
     # Job labels and datatrace share one list and one watch of this node's pods.
     pod_calls = [path for method, path in standin.requests if method == "GET" and path.startswith("/api/v1/pods")]
     assert [("watch=true" in path) for path in pod_calls] == [False, True], pod_calls

@@ -26,12 +26,16 @@ def test_every_training_family_of_a_job_names_the_job_in_full():
             and "rank" not in labels] == []
 
 
-def test_a_job_the_pod_watch_does_not_know_is_named_by_its_id_and_parse_errors_start_at_zero(tmp_path):
+def test_unknown_jobs_are_named_by_their_id_a_lone_pod_is_the_ranks_and_parse_errors_start_at_0(tmp_path):
     known = {"uid-1": ("team-a", "llama")}
     steps = StepMetrics(tmp_path / "steps.json", job_labels=lambda job_id: known.get(job_id, ("", "")))
     assert steps.job_labels("uid-1") == ("team-a", "llama")
     assert steps.job_labels("uid-2") == ("_unknown", "uid-2")
     assert StepMetrics(tmp_path / "other.json").job_labels("uid-1") == ("_unknown", "uid-1")  # no pod watch
+
+    pods = {"uid-1": ("llama-0",), "uid-3": ("a-0", "a-1")}
+    steps = StepMetrics(tmp_path / "steps.json", job_pods=lambda job_id: pods.get(job_id, ()))
+    assert [steps.pod_of(job) for job in ("uid-1", "uid-2", "uid-3")] == ["llama-0", "", ""]  # one pod: that one
 
     [errors] = [f for f in StepCollector("n", steps).collect() if f.name == "training_profiling_parse_errors"]
     assert {s.labels["reason"]: s.value for s in errors.samples if s.name.endswith("_total")} == \
