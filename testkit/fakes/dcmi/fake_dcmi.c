@@ -3,7 +3,9 @@
  *
  * Exports the subset of Huawei's DCMI C ABI the agent uses (dcmi_abi.h), so
  * the agent's real ctypes loader can dlopen it in place of the driver.  The
- * topology comes from FAKE_DCMI_* environment variables read by dcmi_init();
+ * topology comes from FAKE_DCMI_* environment variables read by dcmi_init()
+ * (CARDS, CHIPS_PER_CARD, PHY_IDS, CHIP_NAME; VDIE and PCIE for the chips'
+ * identities; FAIL=function=rc,... for failures from the first call on);
  * faults, hangs and failures are injected at run time through a unix socket
  * (FAKE_DCMI_CONTROL) served by a detached thread, because the library lives
  * inside the process under test.  See build.py / control.py for the Python
