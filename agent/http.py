@@ -1,4 +1,5 @@
-"""The HTTP endpoint: GET /metrics (Prometheus text), /healthz and /readyz, on the agent's event loop.
+"""The HTTP endpoint: GET /metrics (Prometheus text or OpenMetrics, gzip when asked), /healthz and /readyz, on the
+agent's event loop.
 
 A deliberately small HTTP/1.1 server (GET and HEAD, one request per connection) so the scrape reads
 the components' state on the same loop that changes it, with no locks and no extra thread.
@@ -7,10 +8,12 @@ the components' state on the same loop that changes it, with no locks and no ext
 from __future__ import annotations
 
 import asyncio
+import gzip
 import logging
 from typing import Callable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 from agent.config import split_host_port
 
@@ -53,14 +56,19 @@ class HttpEndpoint:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
-            method, target, _ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
+            request, *lines = head.decode("latin-1").split("\r\n")
+            method, target, _ = request.split(" ", 2)
+            headers = parse_headers(lines)
             path = target.split("?", 1)[0]
             try:
-                status, content_type, body = self._route(method, path)
+                status, content_type, body = self._route(method, path, headers)
             except Exception as exc:  # a collector's bug costs this answer, never the endpoint or a silent close
                 status, content_type, body = self._failed(path, exc)
-            header = (f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
-                      "Connection: close\r\n\r\n").encode("latin-1")
+            encoding = ""
+            if path == "/metrics" and status.startswith("200") and accepts_gzip(headers.get("accept-encoding", "")):
+                body, encoding = gzip.compress(body, compresslevel=6), "Content-Encoding: gzip\r\n"
+            header = (f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n{encoding}Content-Length: {len(body)}"
+                      "\r\nConnection: close\r\n\r\n").encode("latin-1")
             writer.write(header if method == "HEAD" else header + body)
             await writer.drain()
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ValueError,
@@ -77,11 +85,13 @@ class HttpEndpoint:
             log.error("http request failed; answered 500", exc_info=exc, extra={"path": path, "error": error})
         return "500 Internal Server Error", "text/plain", f"{error}\n".encode()
 
-    def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
+    def _route(self, method: str, path: str, headers: dict[str, str]) -> tuple[str, str, bytes]:
         if method not in ("GET", "HEAD"):
             return "405 Method Not Allowed", "text/plain", b"only GET\n"
         if path == "/metrics":
-            return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self._registry)
+            # OpenMetrics when the scraper asks for it, else the text format (prometheus_client decides).
+            encode, content_type = choose_encoder(headers.get("accept", ""))
+            return "200 OK", content_type, encode(self._registry)
         if path == "/healthz":
             alive, why = self._liveness()
             return ("200 OK", "text/plain", b"ok\n") if alive else ("503 Service Unavailable", "text/plain", f"{why}\n".encode())
@@ -90,3 +100,27 @@ class HttpEndpoint:
             text = "ok\n" if ready else "".join(f"{r}\n" for r in reasons)
             return ("200 OK" if ready else "503 Service Unavailable"), "text/plain", text.encode()
         return "404 Not Found", "text/plain", b"not found: try /metrics, /healthz or /readyz\n"
+
+
+def parse_headers(lines: list[str]) -> dict[str, str]:
+    """Header fields by lower-case name (repeated fields joined by ", "); the request size limit bounds them."""
+    headers: dict[str, str] = {}
+    for line in lines:
+        name, colon, value = line.partition(":")
+        if colon and name and not name[0].isspace():
+            key = name.strip().lower()
+            headers[key] = f"{headers[key]}, {value.strip()}" if key in headers else value.strip()
+    return headers
+
+
+def accepts_gzip(accept_encoding: str) -> bool:
+    """True when Accept-Encoding lists gzip (or *) without q=0."""
+    for item in accept_encoding.split(","):
+        coding, *params = (part.strip() for part in item.split(";"))
+        if coding.lower() in ("gzip", "*"):
+            weights = [p.split("=", 1)[1] for p in params if p.lower().startswith("q=") and "=" in p]
+            try:
+                return not weights or float(weights[0]) > 0
+            except ValueError:
+                return False
+    return False

@@ -18,9 +18,28 @@ from agent.faults.hub import FaultHub
 from agent.faults.log import FaultLog
 from agent.faults.service import FaultService
 from agent.common.executor import Executor
-from agent.model import PodsOf, no_pods
+from agent.model import Health, PodRef, PodsOf, no_pods
 
-POD_LABELS = ("namespace", "pod_name", "container_name")  # npu-exporter's names; empty when the NPU is free
+POD_LABELS = ("namespace", "pod_name", "container_name")  # npu-exporter's names
+CARD_LABELS = ("id", "model_name", "vdie_id", "pcie_bus_info", *POD_LABELS)  # npu-exporter's per-chip labels, in order
+MULTI_POD = "not_displayed_for_multi_pod"
+ERROR_CODE_FAMILIES = ("npu_chip_info_error_code", *(f"npu_chip_info_error_code_{n}" for n in range(1, 10)))
+MACHINE_HEALTH = (
+    (Health.HEALTHY, "machine_healthy_npu_nums", "Amount of healthy npu on the machine."),
+    (Health.UNHEALTHY, "machine_unhealthy_npu_nums", "Amount of unhealthy npu on the machine."),
+    (Health.UNKNOWN, "machine_unknown_npu_nums",
+     "Amount of npu on the machine whose health cannot be obtained via DCMI interface."),
+)
+
+
+def pod_labels(pods: tuple[PodRef, ...]) -> tuple[str, str, str]:
+    """npu-exporter's pod labels of a chip: its one container, "" when free, a placeholder when shared (one
+    series per chip either way, so a chip's series do not multiply with its containers)."""
+    if not pods:
+        return ("", "", "")
+    if len(pods) > 1:
+        return (MULTI_POD, MULTI_POD, MULTI_POD)
+    return (pods[0].namespace, pods[0].pod, pods[0].container)
 
 
 def _counts(name: str, documentation: str, node: str, label: str, counts: dict[str, int]) -> CounterMetricFamily:
@@ -49,33 +68,48 @@ class AgentCollector:
 
     def collect(self) -> Iterable[Metric]:
         node = self._node
-        models = {d.phy_id: d.model_name for d in self._monitor.devices}
+        devices = {d.phy_id: d for d in self._monitor.devices}
         states = self._faults.engine.states()
 
-        health = GaugeMetricFamily("npu_chip_info_health_status",
-                                   "NPU health from the driver: 1 healthy, 0 unhealthy, -1 unknown (the driver did not answer)",
-                                   labels=["node", "id", "model_name", *POD_LABELS])
+        # npu-exporter's families: its names, its label names and values, plus `node`.
+        health = GaugeMetricFamily("npu_chip_info_health_status", "the npu health status",
+                                   labels=["node", *CARD_LABELS])
+        errors = [GaugeMetricFamily(name, "the npu error code", labels=["node", *CARD_LABELS])
+                  for name in ERROR_CODE_FAMILIES]
+        # The agent's own, with the same pod labels so they join with npu-exporter's series.
         fault = GaugeMetricFamily("npu_agent_device_fault", "1 for each active fault code, with the code's own level",
                                   labels=["node", "id", "fault_code", "fault_level", *POD_LABELS])
         level = GaugeMetricFamily("npu_agent_device_fault_level",
                                   "Rank of the device's worst fault level: NormalNPU 0 .. ManuallySeparateNPU 9",
                                   labels=["node", "id", *POD_LABELS])
         for state in states:
-            device = str(state.phy_id)
-            # One series per container holding the NPU (empty pod labels when it is free).
-            for pod in self._pods(state.phy_id) or (None,):
-                owner = [pod.namespace, pod.pod, pod.container] if pod else ["", "", ""]
-                health.add_metric([node, device, models.get(state.phy_id, ""), *owner], int(state.health))
-                level.add_metric([node, device, *owner], int(state.level))
-                for code in state.codes:
-                    fault.add_metric([node, device, code.text, code.level.name, *owner], 1)
+            device, info = str(state.phy_id), devices.get(state.phy_id)
+            owner = pod_labels(self._pods(state.phy_id))
+            card = [node, device, info.model_name if info else "", info.vdie_id if info else "",
+                    info.pcie_bus_info if info else "", *owner]
+            health.add_metric(card, int(state.health))
+            for family, code in zip(errors, state.codes):  # npu-exporter shows the first ten
+                family.add_metric(card, code.code)
+            level.add_metric([node, device, *owner], int(state.level))
+            for code in state.codes:
+                fault.add_metric([node, device, code.text, code.level.name, *owner], 1)
         yield health
+        yield from errors
         yield fault
         yield level
 
-        npus = GaugeMetricFamily("machine_npu_nums", "Number of NPUs the driver lists on this node", labels=["node"])
+        npus = GaugeMetricFamily("machine_npu_nums", "Amount of npu installed on the machine.", labels=["node"])
         npus.add_metric([node], len(self._monitor.devices))
         yield npus
+        # Every listed chip counts once, so the three add up to machine_npu_nums (one not yet read is unknown).
+        healths = {state.phy_id: state.health for state in states}
+        counted = {value: 0 for value in Health}
+        for phy_id in devices:
+            counted[healths.get(phy_id, Health.UNKNOWN)] += 1
+        for value, name, documentation in MACHINE_HEALTH:
+            family = GaugeMetricFamily(name, documentation, labels=["node"])
+            family.add_metric([node], counted[value])
+            yield family
 
         events = CounterMetricFamily("npu_agent_fault_events_total",
                                      "Fault events applied, from driver events and from polls that mended lost ones",

@@ -91,6 +91,8 @@ class DeviceInfo:
     device_id: int
     chip_name: str  # e.g. 910B3
     model_name: str  # as npu-exporter builds it: <chip name>-<chip type>-<chip version>
+    vdie_id: str = ""  # npu-exporter's vdie_id: the chip's UUID, 5 hex words; "" when the driver cannot say
+    pcie_bus_info: str = ""  # npu-exporter's pcie_bus_info, e.g. 0000:61:00.0; "" when the driver cannot say
 
 
 @dataclass(frozen=True)

@@ -102,8 +102,22 @@ class AgentProcess:
                 if "pod_name" in labels and labels["pod_name"] == "":  # a free NPU: match without its pod labels
                     for key in ("namespace", "pod_name", "container_name"):
                         labels.pop(key, None)
+                labels.pop("vdie_id", None)  # a chip's fixed identity: tests match chips by id (series() has all)
+                labels.pop("pcie_bus_info", None)
                 samples[(sample.name, frozenset(labels.items()))] = sample.value
         return samples
+
+    def series(self, name: str) -> dict[str, tuple[dict[str, str], float]]:
+        """{id: (every label, value)} of one per-chip family, exactly as scraped."""
+        status, text = self.http("/metrics")
+        assert status == 200
+        found = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name:
+                    assert sample.labels["id"] not in found, f"two {name} series for chip {sample.labels['id']}"
+                    found[sample.labels["id"]] = (dict(sample.labels), sample.value)
+        return found
 
     def metric(self, name: str, **labels) -> float | None:
         return self.metrics().get((name, frozenset((k, str(v)) for k, v in labels.items())))

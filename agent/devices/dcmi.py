@@ -125,18 +125,30 @@ class DcmiBackend:
         else:
             log.warning("cannot read chip info", extra={"logic_id": logic.value, "rc": rc})
         model = "-".join(part for part in (chip_name, chip_type, chip_ver) if part)
-        return DeviceInfo(logic.value, phy.value, card, chip, chip_name, model)
+        return DeviceInfo(logic.value, phy.value, card, chip, chip_name, model,
+                          self._identity(card, chip, "dcmi_get_device_die_v2", abi.DieId, abi.vdie_text, abi.DIE_VDIE),
+                          self._identity(card, chip, "dcmi_get_device_pcie_info_v2", abi.PcieInfoAll, abi.pcie_text))
+
+    def _identity(self, card: int, chip: int, name: str, struct, text, *args) -> str:
+        """A label read once at inventory (the chip's UUID, its PCIe address); "" when the driver cannot say,
+        as npu-exporter exports it."""
+        value = struct()
+        rc = self._call(name, card, chip, *args, ctypes.byref(value))
+        if rc != abi.DCMI_OK:
+            log.warning("cannot read a chip label", extra={"card": card, "chip": chip, "function": name, "rc": rc})
+            return ""
+        return text(value)
 
     def read(self, device: DeviceInfo) -> Reading:
         health = ctypes.c_uint(0)
         rc = self._call("dcmi_get_device_health", device.card_id, device.device_id, ctypes.byref(health))
         dropped = rc == abi.DCMI_ERR_DEVICE_NOT_READY
-        if rc == abi.DCMI_OK:
-            status = Health.HEALTHY if health.value == 0 else Health.UNHEALTHY
-        elif dropped:
-            status = Health.UNHEALTHY
-        else:
+        # npu-exporter's reading: 0 healthy, any alarm (even a minor one) unhealthy; a failed call, a dropped card
+        # (-8012) included, or an out-of-range value is unknown.
+        if rc != abi.DCMI_OK or health.value >= abi.MAX_HEALTH:
             status = Health.UNKNOWN
+        else:
+            status = Health.HEALTHY if health.value == 0 else Health.UNHEALTHY
         count = ctypes.c_int(0)
         codes = (ctypes.c_uint * abi.MAX_ERROR_CODES)()
         code_rc = self._call("dcmi_get_device_errorcode_v2", device.card_id, device.device_id,

@@ -12,6 +12,8 @@ MAX_CARDS = 64
 MAX_EVENT_NAME = 256
 MAX_EVENT_DATA = 32
 MAX_EVENT_RESV = 32
+DIE_VDIE = 1  # enum dcmi_die_type: NDIE 0, VDIE 1 (the chip's UUID, npu-exporter's vdie_id)
+MAX_HEALTH = 2**31 - 1  # a health reading this large is no reading (npu-exporter's validation)
 
 
 class ChipInfo(ctypes.Structure):
@@ -20,6 +22,24 @@ class ChipInfo(ctypes.Structure):
         ("chip_name", ctypes.c_ubyte * 32),
         ("chip_ver", ctypes.c_ubyte * 32),
         ("aicore_cnt", ctypes.c_uint),
+    ]
+
+
+class DieId(ctypes.Structure):
+    _fields_ = [("soc_die", ctypes.c_uint * 5)]
+
+
+class PcieInfoAll(ctypes.Structure):
+    _fields_ = [
+        ("venderid", ctypes.c_uint),
+        ("subvenderid", ctypes.c_uint),
+        ("deviceid", ctypes.c_uint),
+        ("subdeviceid", ctypes.c_uint),
+        ("domain", ctypes.c_int),
+        ("bdf_busid", ctypes.c_uint),
+        ("bdf_deviceid", ctypes.c_uint),
+        ("bdf_funcid", ctypes.c_uint),
+        ("reserve", ctypes.c_ubyte * 32),
     ]
 
 
@@ -78,6 +98,8 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "dcmi_get_device_logic_id": (ctypes.c_int, [_int_p, ctypes.c_int, ctypes.c_int]),
     "dcmi_get_device_phyid_from_logicid": (ctypes.c_int, [ctypes.c_uint, _uint_p]),
     "dcmi_get_device_chip_info": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ChipInfo)]),
+    "dcmi_get_device_die_v2": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(DieId)]),
+    "dcmi_get_device_pcie_info_v2": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.POINTER(PcieInfoAll)]),
     "dcmi_get_device_health": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, _uint_p]),
     "dcmi_get_device_errorcode_v2": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, _int_p, _uint_p, ctypes.c_uint]),
     "dcmi_subscribe_fault_event": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, EventFilter, EVENT_CALLBACK]),
@@ -87,3 +109,13 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
 def c_text(raw) -> str:
     """A NUL-terminated C char array as text."""
     return bytes(raw).split(b"\0", 1)[0].decode("utf-8", "replace").strip()
+
+
+def vdie_text(die: DieId) -> str:
+    """npu-exporter's vdie_id: each word in upper-case hex, padded to 8 characters, joined by "-"."""
+    return "-".join(f"{word:08X}" for word in die.soc_die)
+
+
+def pcie_text(info: PcieInfoAll) -> str:
+    """npu-exporter's pcie_bus_info: domain:bus:device.function."""
+    return f"{info.domain:04X}:{info.bdf_busid:02X}:{info.bdf_deviceid:02X}.{info.bdf_funcid:X}"

@@ -14,6 +14,9 @@ from agent.model import CARD_DROP_CODE, DeviceInfo, DriverEvent, Health, Reading
 from agent.devices.scenario import Scenario, Step
 
 
+BUSES = (0xC1, 0x01, 0x41, 0x81, 0xC2, 0x02, 0x42, 0x82)
+
+
 class SimulatedBackend:
     name = "simulated"
 
@@ -32,14 +35,17 @@ class SimulatedBackend:
 
     def open(self) -> list[DeviceInfo]:
         model = f"{self._chip_name}-Ascend-V1"
-        return [DeviceInfo(i, i, i, 0, self._chip_name, model) for i in range(self._count)]
+        # Fixed identities in the driver's formats: a UUID per chip and the PCIe addresses of an 8-chip A2 server.
+        return [DeviceInfo(i, i, i, 0, self._chip_name, model, f"5A1D0000-0000{i:04X}-00000000-00000000-00000000",
+                           f"0000:{BUSES[i % len(BUSES)]:02X}:00.0")
+                for i in range(self._count)]
 
     def read(self, device: DeviceInfo) -> Reading:
         with self._lock:
             codes = frozenset(self._codes[device.phy_id])
             dropped = device.phy_id in self._dropped
         if dropped:
-            return Reading(Health.UNHEALTHY, codes | {CARD_DROP_CODE})
+            return Reading(Health.UNKNOWN, codes | {CARD_DROP_CODE})  # the health call fails with -8012
         return Reading(Health.UNHEALTHY if codes else Health.HEALTHY, codes)
 
     def subscribe(self, on_event: Callable[[DriverEvent], None]) -> str:

@@ -21,7 +21,7 @@ CODE_A, CODE_B, CODE_C = 0x80E01801, 0x8C2FA009, 0xA8028802
 
 # The product's ctypes definitions; their layout is checked against the C compiler in test_dcmi_agent.py.
 from agent.devices.dcmi_abi import EVENT_CALLBACK as CALLBACK  # noqa: E402
-from agent.devices.dcmi_abi import ChipInfo, DmsFaultEvent, EventFilter  # noqa: E402
+from agent.devices.dcmi_abi import ChipInfo, DieId, DmsFaultEvent, EventFilter, PcieInfoAll  # noqa: E402
 _KEEPALIVE: list = []  # the library keeps callback pointers until process exit
 
 P = ctypes.POINTER
@@ -35,6 +35,8 @@ _SIGNATURES = {
     "dcmi_get_device_logicid_from_phyid": [_UINT, P(_UINT)],
     "dcmi_get_card_id_device_id_from_logicid": [P(_INT), P(_INT), _UINT],
     "dcmi_get_device_chip_info": [_INT, _INT, P(ChipInfo)],
+    "dcmi_get_device_die_v2": [_INT, _INT, _INT, P(DieId)],
+    "dcmi_get_device_pcie_info_v2": [_INT, _INT, P(PcieInfoAll)],
     "dcmi_get_device_health": [_INT, _INT, P(_UINT)],
     "dcmi_get_device_errorcode_v2": [_INT, _INT, P(_INT), P(_UINT), _UINT],
     "dcmi_subscribe_fault_event": [_INT, _INT, EventFilter, CALLBACK],
@@ -76,7 +78,7 @@ def make_fake(built, tmp_path, monkeypatch):
         trace = tmp_path / f"trace{len(controls)}"
         monkeypatch.setenv("FAKE_DCMI_CONTROL", str(sock))
         monkeypatch.setenv("FAKE_DCMI_TRACE", str(trace))
-        for key in ("CARDS", "CHIPS_PER_CARD", "CHIP_NAME", "PHY_IDS"):
+        for key in ("CARDS", "CHIPS_PER_CARD", "CHIP_NAME", "PHY_IDS", "VDIE", "PCIE", "FAIL"):
             monkeypatch.delenv(f"FAKE_DCMI_{key}", raising=False)
         for key, value in env.items():
             monkeypatch.setenv(f"FAKE_DCMI_{key.upper()}", value)
@@ -328,6 +330,43 @@ def test_fail_injects_return_code(fake):
     assert health(lib, 0) == (OK, 1)
     ctl.fail("dcmi_get_device_errorcode_v2", 0)
     assert error_codes(lib, 0) == (OK, [CODE_A])
+
+
+def die(lib, card: int, kind: int = 1) -> tuple[int, list[int]]:
+    value = DieId()
+    rc = lib.dcmi_get_device_die_v2(card, 0, kind, ctypes.byref(value))
+    return rc, list(value.soc_die)
+
+
+def pcie(lib, card: int) -> tuple[int, tuple[int, int, int, int]]:
+    info = PcieInfoAll()
+    rc = lib.dcmi_get_device_pcie_info_v2(card, 0, ctypes.byref(info))
+    return rc, (info.domain, info.bdf_busid, info.bdf_deviceid, info.bdf_funcid)
+
+
+def test_chip_identities_from_the_environment_and_the_control_socket(make_fake):
+    fake = make_fake(vdie="1-2-3-4-5,,ABCDEF01-0-0-0-FFFFFFFF", pcie="0002:3b:1f.7")
+    lib, ctl = fake.lib, fake.ctl
+    assert die(fake.lib, 0) == (OK, [1, 2, 3, 4, 5])
+    assert die(lib, 2) == (OK, [0xABCDEF01, 0, 0, 0, 0xFFFFFFFF])
+    defaults = die(lib, 1)[1]
+    assert defaults != die(lib, 3)[1] and defaults[3] < 0x10000000  # distinct per chip; a word that needs padding
+    assert pcie(lib, 0) == (OK, (2, 0x3B, 0x1F, 7))
+    assert pcie(lib, 1)[1] != pcie(lib, 2)[1]
+    ctl.die(1, (0xA, 0xB, 0xC, 0xD, 0xE))
+    ctl.pcie(1, "0000:c1:00.0")
+    assert die(lib, 1) == (OK, [0xA, 0xB, 0xC, 0xD, 0xE]) and pcie(lib, 1) == (OK, (0, 0xC1, 0, 0))
+    assert die(lib, 1, kind=7)[0] == -8001
+    with pytest.raises(RuntimeError, match="bad value"):
+        ctl.pcie(1, "0000:c1:00")
+    ctl.fail("dcmi_get_device_pcie_info_v2", -8255)
+    assert pcie(lib, 1)[0] == -8255
+
+
+def test_failures_from_the_start(make_fake):
+    lib = make_fake(fail="dcmi_get_device_die_v2=-8255").lib
+    assert die(lib, 0)[0] == -8255
+    assert pcie(lib, 0)[0] == OK
 
 
 def test_control_errors(fake):

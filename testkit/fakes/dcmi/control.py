@@ -86,6 +86,14 @@ class FakeDcmiControl:
     def health(self, logic: int, value: int) -> None:
         self._command("health", logic, value)
 
+    def die(self, logic: int, words: tuple[int, int, int, int, int]) -> None:
+        """What dcmi_get_device_die_v2 answers from now on (FAKE_DCMI_VDIE sets it before the first call)."""
+        self._command("die", logic, "-".join(f"{w:X}" for w in words))
+
+    def pcie(self, logic: int, address: str) -> None:
+        """What dcmi_get_device_pcie_info_v2 answers from now on, as DDDD:BB:DD.F (FAKE_DCMI_PCIE before)."""
+        self._command("pcie", logic, address)
+
     def alarm_clock(self, unix_seconds: int) -> None:
         """Alarm times from a broken clock: every event reports this time (0: the real clock again)."""
         self._command("clock", unix_seconds)

@@ -30,6 +30,28 @@ struct dcmi_chip_info {
     unsigned int aicore_cnt;
 };
 
+enum dcmi_die_type {
+    NDIE = 0,
+    VDIE = 1
+};
+
+#define DIE_ID_NUM 5
+struct dcmi_die_id {
+    unsigned int soc_die[DIE_ID_NUM];
+};
+
+struct dcmi_pcie_info_all {
+    unsigned int venderid;
+    unsigned int subvenderid;
+    unsigned int deviceid;
+    unsigned int subdeviceid;
+    int domain;
+    unsigned int bdf_busid;
+    unsigned int bdf_deviceid;
+    unsigned int bdf_funcid;
+    unsigned char reserve[32];
+};
+
 struct dcmi_event_filter {
     unsigned long long filter_flag;
     unsigned int event_id;
@@ -84,6 +106,10 @@ int dcmi_get_card_id_device_id_from_logicid(int *card_id, int *device_id,
                                             unsigned int device_logic_id);
 int dcmi_get_device_chip_info(int card_id, int device_id,
                               struct dcmi_chip_info *chip_info);
+int dcmi_get_device_die_v2(int card_id, int device_id, enum dcmi_die_type input_type,
+                           struct dcmi_die_id *die_id);
+int dcmi_get_device_pcie_info_v2(int card_id, int device_id,
+                                 struct dcmi_pcie_info_all *pcie_info);
 int dcmi_get_device_health(int card_id, int device_id, unsigned int *health);
 int dcmi_get_device_errorcode_v2(int card_id, int device_id, int *error_count,
                                  unsigned int *error_code_list,

@@ -3,7 +3,9 @@
  *
  * Exports the subset of Huawei's DCMI C ABI the agent uses (dcmi_abi.h), so
  * the agent's real ctypes loader can dlopen it in place of the driver.  The
- * topology comes from FAKE_DCMI_* environment variables read by dcmi_init();
+ * topology comes from FAKE_DCMI_* environment variables read by dcmi_init()
+ * (CARDS, CHIPS_PER_CARD, PHY_IDS, CHIP_NAME; VDIE and PCIE for the chips'
+ * identities; FAIL=function=rc,... for failures from the first call on);
  * faults, hangs and failures are injected at run time through a unix socket
  * (FAKE_DCMI_CONTROL) served by a detached thread, because the library lives
  * inside the process under test.  See build.py / control.py for the Python
@@ -34,6 +36,10 @@ _Static_assert(sizeof(struct dcmi_chip_info) == 100, "dcmi_chip_info size");
 _Static_assert(sizeof(struct dcmi_event_filter) == 48, "dcmi_event_filter size");
 _Static_assert(sizeof(struct dcmi_dms_fault_event) == 352, "dcmi_dms_fault_event size");
 _Static_assert(sizeof(struct dcmi_event) == 360, "dcmi_event size");
+_Static_assert(sizeof(struct dcmi_die_id) == 20, "dcmi_die_id size");
+_Static_assert(sizeof(struct dcmi_pcie_info_all) == 64, "dcmi_pcie_info_all size");
+_Static_assert(offsetof(struct dcmi_pcie_info_all, domain) == 16, "dcmi_pcie_info_all domain");
+_Static_assert(sizeof(enum dcmi_die_type) == 4, "enum size");
 
 #define MAX_DEVICES 64
 #define MAX_CODES 128
@@ -56,8 +62,15 @@ struct active_code {
     unsigned long long raised_at; /* reported again by the recovery event */
 };
 
+struct pcie_address {
+    int domain;
+    unsigned int bus, device, function;
+};
+
 struct device {
     unsigned int health; /* stored value; see dcmi_get_device_health() */
+    unsigned int vdie[DIE_ID_NUM];
+    struct pcie_address pcie;
     int dropped;
     unsigned int ncodes;
     struct active_code codes[MAX_CODES]; /* insertion order, no duplicates */
@@ -79,6 +92,8 @@ enum fn_id {
     FN_GET_LOGICID_FROM_PHYID,
     FN_GET_CARD_ID_DEVICE_ID_FROM_LOGICID,
     FN_GET_DEVICE_CHIP_INFO,
+    FN_GET_DEVICE_DIE_V2,
+    FN_GET_DEVICE_PCIE_INFO_V2,
     FN_GET_DEVICE_HEALTH,
     FN_GET_DEVICE_ERRORCODE_V2,
 #ifndef FAKE_DCMI_OMIT_SUBSCRIBE
@@ -104,6 +119,8 @@ static struct fn_ctl g_fns[FN_COUNT] = {
     [FN_GET_LOGICID_FROM_PHYID] = {"dcmi_get_device_logicid_from_phyid"},
     [FN_GET_CARD_ID_DEVICE_ID_FROM_LOGICID] = {"dcmi_get_card_id_device_id_from_logicid"},
     [FN_GET_DEVICE_CHIP_INFO] = {"dcmi_get_device_chip_info"},
+    [FN_GET_DEVICE_DIE_V2] = {"dcmi_get_device_die_v2"},
+    [FN_GET_DEVICE_PCIE_INFO_V2] = {"dcmi_get_device_pcie_info_v2"},
     [FN_GET_DEVICE_HEALTH] = {"dcmi_get_device_health"},
     [FN_GET_DEVICE_ERRORCODE_V2] = {"dcmi_get_device_errorcode_v2"},
 #ifndef FAKE_DCMI_OMIT_SUBSCRIBE
@@ -202,6 +219,95 @@ bad:
     return -1;
 }
 
+/* "W-W-W-W-W": the five soc_die words in hex. */
+static int parse_vdie(const char *s, unsigned int *out)
+{
+    unsigned int w[DIE_ID_NUM];
+    int used = 0;
+
+    if (sscanf(s, "%x-%x-%x-%x-%x%n", &w[0], &w[1], &w[2], &w[3], &w[4], &used) != DIE_ID_NUM || s[used])
+        return -1;
+    memcpy(out, w, sizeof w);
+    return 0;
+}
+
+/* "DDDD:BB:DD.F" in hex, as lspci prints it. */
+static int parse_pcie(const char *s, struct pcie_address *out)
+{
+    struct pcie_address a;
+    int used = 0;
+
+    if (sscanf(s, "%x:%x:%x.%x%n", (unsigned int *)&a.domain, &a.bus, &a.device, &a.function, &used) != 4 ||
+        s[used])
+        return -1;
+    *out = a;
+    return 0;
+}
+
+/* FAKE_DCMI_VDIE / FAKE_DCMI_PCIE: comma-separated values for logic ids 0, 1, ...; an empty item (or a
+ * short list) keeps that chip's default. */
+static int parse_per_chip(const char *var, int (*parse)(const char *, int))
+{
+    const char *s = getenv(var);
+    char item[64];
+
+    for (int logic = 0; s && *s && logic < g_ndev; logic++) {
+        size_t n = strcspn(s, ",");
+
+        if (n >= sizeof item)
+            goto bad;
+        memcpy(item, s, n);
+        item[n] = 0;
+        if (n && parse(item, logic))
+            goto bad;
+        s += n + (s[n] == ',');
+    }
+    return 0;
+bad:
+    fprintf(stderr, "fake_dcmi: bad %s item near '%s'\n", var, s);
+    return -1;
+}
+
+static int set_vdie(const char *s, int logic) { return parse_vdie(s, g_dev[logic].vdie); }
+static int set_pcie(const char *s, int logic) { return parse_pcie(s, &g_dev[logic].pcie); }
+
+static struct fn_ctl *find_fn(const char *name);
+
+/* FAKE_DCMI_FAIL="function=rc,...": failures from the start, for calls made before a test can
+ * connect (the agent's inventory). */
+static int parse_start_failures(void)
+{
+    const char *s = getenv("FAKE_DCMI_FAIL");
+    char item[128];
+
+    while (s && *s) {
+        size_t n = strcspn(s, ",");
+        char *eq, *end;
+        struct fn_ctl *f;
+        long rc;
+
+        if (n >= sizeof item)
+            goto bad;
+        memcpy(item, s, n);
+        item[n] = 0;
+        eq = strchr(item, '=');
+        if (!eq)
+            goto bad;
+        *eq = 0;
+        f = find_fn(item);
+        errno = 0;
+        rc = strtol(eq + 1, &end, 10);
+        if (!f || errno || *end || rc == 0 || rc < INT_MIN || rc > INT_MAX)
+            goto bad;
+        f->fail_rc = (int)rc;
+        s += n + (s[n] == ',');
+    }
+    return 0;
+bad:
+    fprintf(stderr, "fake_dcmi: bad FAKE_DCMI_FAIL near '%s' (function=rc,...)\n", s);
+    return -1;
+}
+
 static int setup_topology(void)
 {
     const char *name = getenv("FAKE_DCMI_CHIP_NAME");
@@ -225,6 +331,18 @@ static int setup_topology(void)
         for (int i = 0; i < g_ndev; i++)
             g_phy[i] = (unsigned int)(g_ndev - 1 - i);
     }
+
+    /* Default identities: distinct per chip, one word below 0x10000000 so the padding shows. */
+    for (int i = 0; i < g_ndev; i++) {
+        unsigned int v[DIE_ID_NUM] = {0x185011D4u, 0x21104518u, 0xA0C4ED94u + (unsigned int)i, 0x0000040Au,
+                                      0x56102003u + g_phy[i]};
+
+        memcpy(g_dev[i].vdie, v, sizeof v);
+        g_dev[i].pcie = (struct pcie_address){0, (0x01u + 0x10u * (unsigned int)i) & 0xFFu, 0, 0};
+    }
+    if (parse_per_chip("FAKE_DCMI_VDIE", set_vdie) || parse_per_chip("FAKE_DCMI_PCIE", set_pcie) ||
+        parse_start_failures())
+        return -1;
 
     if (!name || !*name)
         name = "910B3";
@@ -422,6 +540,49 @@ int dcmi_get_device_chip_info(int card_id, int device_id, struct dcmi_chip_info 
     return api_leave(DCMI_OK);
 }
 
+int dcmi_get_device_die_v2(int card_id, int device_id, enum dcmi_die_type input_type,
+                           struct dcmi_die_id *die_id)
+{
+    int rc = api_enter(FN_GET_DEVICE_DIE_V2);
+    int logic;
+
+    if (rc)
+        return rc;
+    logic = logic_of(card_id, device_id);
+    if (!die_id || logic < 0 || (input_type != NDIE && input_type != VDIE))
+        return api_leave(DCMI_ERR_INVALID_PARAM);
+    if (g_dev[logic].dropped)
+        return api_leave(DCMI_ERR_NOT_READY);
+    memcpy(die_id->soc_die, g_dev[logic].vdie, sizeof die_id->soc_die);
+    if (input_type == NDIE)  /* not what the agent asks for: make a mix-up visible */
+        die_id->soc_die[0] ^= 0xFFFFFFFFu;
+    return api_leave(DCMI_OK);
+}
+
+int dcmi_get_device_pcie_info_v2(int card_id, int device_id, struct dcmi_pcie_info_all *pcie_info)
+{
+    int rc = api_enter(FN_GET_DEVICE_PCIE_INFO_V2);
+    int logic;
+    const struct pcie_address *a;
+
+    if (rc)
+        return rc;
+    logic = logic_of(card_id, device_id);
+    if (!pcie_info || logic < 0)
+        return api_leave(DCMI_ERR_INVALID_PARAM);
+    if (g_dev[logic].dropped)
+        return api_leave(DCMI_ERR_NOT_READY);
+    a = &g_dev[logic].pcie;
+    memset(pcie_info, 0, sizeof *pcie_info);
+    pcie_info->venderid = 0x19E5;  /* Huawei */
+    pcie_info->deviceid = 0xD802;
+    pcie_info->domain = a->domain;
+    pcie_info->bdf_busid = a->bus;
+    pcie_info->bdf_deviceid = a->device;
+    pcie_info->bdf_funcid = a->function;
+    return api_leave(DCMI_OK);
+}
+
 int dcmi_get_device_health(int card_id, int device_id, unsigned int *health)
 {
     int rc = api_enter(FN_GET_DEVICE_HEALTH);
@@ -515,6 +676,18 @@ static void build_layout(void)
     L_FIELD(dcmi_chip_info, chip_name);
     L_FIELD(dcmi_chip_info, chip_ver);
     L_FIELD(dcmi_chip_info, aicore_cnt);
+    L_STRUCT(dcmi_die_id);
+    L_FIELD(dcmi_die_id, soc_die);
+    L_STRUCT(dcmi_pcie_info_all);
+    L_FIELD(dcmi_pcie_info_all, venderid);
+    L_FIELD(dcmi_pcie_info_all, subvenderid);
+    L_FIELD(dcmi_pcie_info_all, deviceid);
+    L_FIELD(dcmi_pcie_info_all, subdeviceid);
+    L_FIELD(dcmi_pcie_info_all, domain);
+    L_FIELD(dcmi_pcie_info_all, bdf_busid);
+    L_FIELD(dcmi_pcie_info_all, bdf_deviceid);
+    L_FIELD(dcmi_pcie_info_all, bdf_funcid);
+    L_FIELD(dcmi_pcie_info_all, reserve);
     L_STRUCT(dcmi_event_filter);
     L_FIELD(dcmi_event_filter, filter_flag);
     L_FIELD(dcmi_event_filter, event_id);
@@ -873,6 +1046,24 @@ static int cmd_health(char **args, int nargs, char *msg, size_t cap)
     return 0;
 }
 
+/* "die"/"pcie": what later calls answer (the agent reads them at inventory; FAKE_DCMI_VDIE/PCIE set them
+ * before it). */
+static int cmd_identity(char **args, char *msg, size_t cap, int (*set)(const char *, int))
+{
+    long long logic;
+    int bad;
+
+    if (parse_int(args[0], 0, g_ndev - 1, &logic))
+        return fail(msg, cap, "bad logic id '%s' (0..%d)", args[0], g_ndev - 1);
+    pthread_mutex_lock(&g_lock);
+    bad = set(args[1], (int)logic);
+    pthread_mutex_unlock(&g_lock);
+    return bad ? fail(msg, cap, "bad value '%s'", args[1]) : 0;
+}
+
+static int cmd_die(char **args, int nargs, char *msg, size_t cap) { return cmd_identity(args, msg, cap, set_vdie); }
+static int cmd_pcie(char **args, int nargs, char *msg, size_t cap) { return cmd_identity(args, msg, cap, set_pcie); }
+
 static int cmd_clock(char **args, int nargs, char *msg, size_t cap)
 {
     long long seconds;
@@ -913,6 +1104,8 @@ static const struct command {
     {"hang", 2, 2, "hang <function> <seconds>", cmd_hang},
     {"fail", 2, 2, "fail <function> <rc>", cmd_fail},
     {"health", 2, 2, "health <logic> <value>", cmd_health},
+    {"die", 2, 2, "die <logic> <W-W-W-W-W hex>", cmd_die},
+    {"pcie", 2, 2, "pcie <logic> <DDDD:BB:DD.F>", cmd_pcie},
     {"clock", 1, 1, "clock <unix-seconds, 0 = real>", cmd_clock},
     {"stats", 0, 0, "stats", cmd_stats},
 };
