@@ -269,10 +269,30 @@ def test_service_monitor(helm):
     assert endpoint["relabelings"][1]["targetLabel"] == "host_ip"
 
 
-def test_prometheus_rule_is_the_rule_file(helm):
+def test_the_default_scrape_interval_is_the_one_the_rules_count_on(helm):
+    [endpoint] = helm.render(None, "serviceMonitor.enabled=true").one("ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["interval"] == "10s"  # see the training group of files/prometheus-rules.yaml
+
+
+def _fault_level_expr(spec: dict) -> str:
+    return next(r["expr"] for g in spec["groups"] for r in g["rules"] if r.get("alert") == "NPUFaultLevelHigh")
+
+
+def test_prometheus_rule_is_the_rule_file_with_the_fault_level_set(helm):
+    shipped = yaml.safe_load((CHART / "files" / "prometheus-rules.yaml").read_text())
     rule = helm.render("monitoring").one("PrometheusRule")
-    assert rule["spec"] == yaml.safe_load((CHART / "files" / "prometheus-rules.yaml").read_text())
+    assert rule["spec"] == shipped  # the default level is the file's own
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    changed = helm.render("monitoring", "prometheusRule.faultLevel=8").one("PrometheusRule")["spec"]
+    assert "npu_agent_device_fault_level >= 8)" in _fault_level_expr(changed)
+    assert "npu_agent_device_fault_level >= 3" not in _fault_level_expr(changed)
+    expr = _fault_level_expr(shipped)
+    for group in changed["groups"]:  # nothing else changes
+        for rule in group["rules"]:
+            if rule.get("alert") == "NPUFaultLevelHigh":
+                rule["expr"] = expr
+    assert changed == shipped
+    assert "faultLevel" in helm.render_error("monitoring", "prometheusRule.faultLevel=10")
 
 
 def test_grafana_dashboard(helm):
