@@ -192,11 +192,6 @@ def main(argv=None) -> int:
             end_wall = time.time()
             step = max(1.0, scrape / 2)
             report, results = check_queries(base, start_wall, end_wall, step, rate_interval)
-            for name, dashboard_path in DASHBOARDS.items():
-                out = out_dir / f"dashboard-{name}.png"
-                render(json.loads(dashboard_path.read_text()), results[name], out, start_wall, end_wall, step,
-                       note=f"demo under Prometheus {interval} scrapes, $__rate_interval = {rate_interval}")
-                print(f"wrote {out}")
         finally:
             for process in (prometheus, demo):
                 if process is not None and process.poll() is None:
@@ -223,6 +218,11 @@ def main(argv=None) -> int:
             print(f"  {'ok ' if count else 'NO '} {count:4d} series  {title} [{ref}]")
             if not count:
                 missing.append(f"{name}: {title} [{ref}]: {expr}")
+    for name, dashboard_path in DASHBOARDS.items():
+        out = out_dir / f"dashboard-{name}.png"
+        render(json.loads(dashboard_path.read_text()), results[name], out, start_wall, end_wall, step,
+               note=f"demo under Prometheus, {interval} scrapes, $__rate_interval = {rate_interval}")
+        print(f"wrote {out}")
     print(f"\ntook {time.monotonic() - began:.0f} s")
     if missing:
         print("queries that returned no data:\n  " + "\n  ".join(missing), file=sys.stderr)

@@ -137,7 +137,9 @@ MAX_LEGEND = 8
 
 
 def colour(name: str) -> str:
-    return NAMED.get(name, name)
+    from matplotlib.colors import is_color_like
+    name = NAMED.get(name, name)
+    return name if is_color_like(name) else MUTED
 
 
 class Renderer:
@@ -159,8 +161,15 @@ class Renderer:
         out = []
         for target in panel["targets"]:
             for s in self.results.get((panel["id"], target["refId"]), []):
-                ts = [float(t) - self.start for t, _ in s["values"]]
-                out.append((legend(target, s["metric"]), ts, [float(v) for _, v in s["values"]]))
+                ts, values = [], []
+                for t, v in s["values"]:
+                    t = float(t) - self.start
+                    if ts and t - ts[-1] > 1.5 * self.step:  # no sample in between: a gap, as Grafana leaves it
+                        ts.append(ts[-1] + self.step)
+                        values.append(math.nan)
+                    ts.append(t)
+                    values.append(float(v))
+                out.append((legend(target, s["metric"]), ts, values))
         return sorted(out, key=lambda line: natural(line[0]))
 
     def timeseries(self, ax, panel: dict) -> None:
@@ -175,7 +184,7 @@ class Renderer:
             ax.set_ylabel("seconds", color=MUTED, fontsize=7)
         if lines:
             more = f" (+{len(lines) - MAX_LEGEND})" if len(lines) > MAX_LEGEND else ""
-            shown = ax.legend(loc="upper left", fontsize=6, ncol=min(4, len(lines)), frameon=False, labelcolor=TEXT,
+            shown = ax.legend(loc="upper left", fontsize=6, ncol=min(3, len(lines)), frameon=False, labelcolor=TEXT,
                               title=f"{len(lines)} series{more}" if more else None, title_fontsize=6)
             shown.get_title().set_color(MUTED)
 
@@ -185,8 +194,10 @@ class Renderer:
         seen: dict[str, str] = {}
         for row, (name, ts, values) in enumerate(lines):
             for i, (t, v) in enumerate(zip(ts, values)):
+                if math.isnan(v):
+                    continue
                 width = (ts[i + 1] - t) if i + 1 < len(ts) else self.step
-                text, col = shown.get(f"{v:g}", (f"{v:g}", PALETTE[int(v) % len(PALETTE)] if v == v else MUTED))
+                text, col = shown.get(f"{v:g}", (f"{v:g}", PALETTE[int(v) % len(PALETTE)]))
                 ax.barh(row, width, left=t, height=0.8, color=colour(col), lw=0)
                 seen[text] = colour(col)
         ax.set_yticks(range(len(lines)), [name for name, _, _ in lines], fontsize=6.5)
@@ -203,7 +214,7 @@ class Renderer:
             return
         bounds, times, counts = heat_counts(series)
         rows = [i for i, row in enumerate(counts) if any(row)] or [0]
-        lo, hi = rows[0], rows[-1]
+        lo, hi = max(0, rows[0] - 1), min(len(counts) - 1, rows[-1] + 1)  # and a bucket either side
         shown = counts[lo:hi + 1]
         ts = [t - self.start for t in times]
         ax.imshow(shown, aspect="auto", origin="lower", cmap="inferno", interpolation="nearest",
