@@ -111,8 +111,8 @@ def short(labels: dict) -> str:
     return " ".join(f"{k}={labels[k]}" for k in keep if k in labels)
 
 
-def check_queries(base: str, start: float, end: float, step: float, rate_interval: str) -> dict[str, list]:
-    """Dashboard name -> [(panel title, refId, query, series returned)], and every query's results by dashboard."""
+def check_queries(base: str, start: float, end: float, step: float, rate_interval: str) -> tuple[dict, dict]:
+    """({dashboard: [(panel title, refId, query sent, series returned)]}, {dashboard: fetch() results})."""
     report, results = {}, {}
     for name, path in DASHBOARDS.items():
         dashboard = json.loads(path.read_text())
@@ -149,9 +149,9 @@ def main(argv=None) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="demo-prometheus-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="demo-prometheus-") as tmp, \
+            open(Path(tmp) / "demo.out", "w+") as demo_log, open(Path(tmp) / "prometheus.out", "w") as prometheus_log:
         work = Path(tmp)
-        demo_log = open(work / "demo.out", "w+")
         demo = subprocess.Popen([sys.executable, "-m", "agent", "demo", "--duration", f"{args.seconds + 30:g}",
                                  "--slow-after", f"{args.slow_after:g}", "--workdir", str(work / "demo")],
                                 cwd=REPO, stdout=demo_log, stderr=subprocess.STDOUT, text=True)
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
             prometheus = subprocess.Popen(
                 [args.prometheus, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'tsdb'}",
                  f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                stdout=open(work / "prometheus.out", "w"), stderr=subprocess.STDOUT)
+                stdout=prometheus_log, stderr=subprocess.STDOUT)
             base = f"http://127.0.0.1:{port}"
             wait_for("Prometheus ready", lambda: ready(f"{base}/-/ready"), 60, prometheus)
             start_wall = time.time()
@@ -201,7 +201,6 @@ def main(argv=None) -> int:
                     except subprocess.TimeoutExpired:
                         process.kill()
                         process.wait()
-            demo_log.close()
     print(f"\nalerts (seconds since the demo started; rank 5 slower from {args.slow_after:g} s):")
     firing = [e for e in alerts.events if e[2] == "firing"]
     for t, name, state, labels in alerts.events:
