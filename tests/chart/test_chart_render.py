@@ -302,6 +302,8 @@ def test_grafana_dashboard(helm):
     assert dashboard["metadata"]["annotations"] == {"grafana_folder": "NPU"}
     shipped = json.loads((CHART / "files" / "grafana-dashboard.json").read_text())
     assert json.loads(dashboard["data"]["npu-node-agent.json"]) == shipped
+    nodes = json.loads((CHART / "files" / "grafana-node-dashboard.json").read_text())
+    assert json.loads(dashboard["data"]["npu-node-agent-nodes.json"]) == nodes
 
 
 def test_network_policy(helm):
