@@ -85,8 +85,8 @@ class AgentCollector:
         for state in states:
             device, info = str(state.phy_id), devices.get(state.phy_id)
             owner = pod_labels(self._pods(state.phy_id))
-            card = [node, device, info.model_name if info else "", info.vdie_id if info else "",
-                    info.pcie_bus_info if info else "", *owner]
+            identity = (info.model_name, info.vdie_id, info.pcie_bus_info) if info else ("", "", "")
+            card = [node, device, *identity, *owner]
             health.add_metric(card, int(state.health))
             for family, code in zip(errors, state.codes):  # npu-exporter shows the first ten
                 family.add_metric(card, code.code)

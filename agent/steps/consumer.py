@@ -32,7 +32,6 @@ from agent.steps import pairing, records
 from agent.steps.records import RankKey, parse
 from agent.steps.pairing import CHECKPOINT, DATALOADER, FORWARD, RankAssembler, StepSample
 from agent.steps.cursors import Position
-from agent.steps.tail import BAD_INPUT_REASONS
 from agent.lifecycle import Tasks
 
 log = logging.getLogger(__name__)
@@ -51,7 +50,7 @@ UPKEEP_S = 5.0  # expiry and saving of the state
 MAX_HELD = 131_072  # entries held for unfinished ranges and steps, over all ranks: ~46 MiB at worst (measured)
 MAX_PROCESSES = 16  # per rank, the processes whose newest step is kept (a rank runs one at a time)
 # Every reason a skip is counted under: each is exported from the start, at 0, so that a rate() sees the first one.
-PARSE_ERROR_REASONS = (*records.ERROR_REASONS, *pairing.ERROR_REASONS, *BAD_INPUT_REASONS, "node_limit")
+PARSE_ERROR_REASONS = (*records.ERROR_REASONS, *pairing.ERROR_REASONS, *records.BAD_INPUT_REASONS, "node_limit")
 # A job the Kubernetes pod watch does not name (the watch is off, or no pod of this node sets that
 # MINDX_TASK_ID): named by its id, in this namespace. Not a DNS label, so no real namespace is taken
 # for it, and never empty: an empty label is no label, and a scrape would fill in the agent's own namespace.

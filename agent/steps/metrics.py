@@ -60,8 +60,9 @@ class StepCollector:
                 jobs[key.job_id] = tuple(map(_label, (*steps.job_labels(key.job_id), key.job_id)))
                 pods[key.job_id] = _label(steps.pod_of(key.job_id))
             namespace, job_name, job_id = jobs[key.job_id]
-            labels = [node, namespace, job_name, job_id, str(key.rank), series.stage]
-            info.add_metric([*labels[:5], pods[key.job_id]], 1)
+            job_rank = [node, namespace, job_name, job_id, str(key.rank)]
+            labels = [*job_rank, series.stage]
+            info.add_metric([*job_rank, pods[key.job_id]], 1)
             for clock, histogram in sorted(series.steps.items()):
                 duration.add_metric([*labels, clock], histogram.buckets(), histogram.total)
             for phase, histogram in sorted(series.phases.items()):
@@ -81,10 +82,10 @@ class StepCollector:
             for reason in REASONS:
                 slow.add_metric([*labels, reason], int(state is not None and state.slow[reason]))
                 detections.add_metric([*labels, reason], state.detections[reason] if state is not None else 0)
-            records.add_metric(labels[:5], series.records)
+            records.add_metric(job_rank, series.records)
             newest = series.assembler.newest_host_ns
             if newest:
-                lag.add_metric(labels[:5], max(0.0, now - newest / 1e9))
+                lag.add_metric(job_rank, max(0.0, now - newest / 1e9))
         node_slow = GaugeMetricFamily("training_node_slow", "1 while this node is slow for the job, by reason",
                                       labels=["node", "namespace", "job_name", "job_id", "reason"])
         for job, (namespace, job_name, job_id) in jobs.items():

@@ -45,14 +45,10 @@ class TailConsumer(Protocol):
         """The rank directory (or its job, or the root) was removed."""
 
     def on_bad_input(self, key: RankKey | None, reason: str, detail: str) -> None:
-        """Counted and logged by the consumer; reasons are listed in BAD_INPUT_REASONS."""
+        """Counted and logged by the consumer; reasons are listed in records.BAD_INPUT_REASONS."""
 
     def on_batch_end(self) -> Mapping[RankKey, Position] | None:
         """After each batch of on_lines calls: per rank, the position a restart must read again from."""
-
-
-BAD_INPUT_REASONS = ("records_lost", "partial_line_at_rotation", "file_truncated", "file_replaced", "line_too_long",
-                     "job_dir", "rank_dir", "parallel_group")
 
 
 class ProfilingTailer:
