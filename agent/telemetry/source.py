@@ -1,0 +1,28 @@
+"""What a telemetry source offers the sampler: blocking reads of one chip, each giving samples."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from agent.model import DeviceInfo
+
+# (family name, values of the family's extra labels, value). A sample a source leaves out is npu-exporter's
+# "omitted"; a failure npu-exporter exports as -1 is a sample of -1.
+Sample = tuple[str, tuple[str, ...], float]
+
+
+class TelemetrySource(Protocol):
+    name: str
+
+    def reads(self, device: DeviceInfo) -> tuple[str, ...]:
+        """The reads (agent.telemetry.families.GROUPS) this source makes for this chip."""
+
+    def read(self, device: DeviceInfo, read: str) -> list[Sample]:
+        """Blocking: one read of one chip. A driver call that fails gives npu-exporter's failure value; a
+        function the driver does not support is logged once and not called again."""
+
+    def node(self) -> list[Sample]:
+        """Blocking, once at start: node-level samples (driver version)."""
+
+    def unsupported(self) -> list[tuple[int, str]]:
+        """(physical id, function) pairs skipped because the driver does not support them."""
