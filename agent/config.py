@@ -122,6 +122,29 @@ class TaskdProxyConfig:
 
 
 @dataclass
+class TelemetryIntervals:
+    """Seconds between two collections of each of npu-exporter's groups (its defaults); 0 turns a group off."""
+    utilization: float = 1.0
+    npu: float = 5.0
+    hbm: float = 60.0
+    hccs: float = 60.0
+    pcie: float = 60.0
+    sio: float = 60.0
+    network: float = 60.0
+    roce: float = 60.0
+    optical: float = 60.0
+
+
+@dataclass
+class TelemetryConfig:
+    # npu-exporter's telemetry families (utilization, HBM, temperature, power, ECC, links): on to replace
+    # npu-exporter on the node, off beside it (one driver session and one copy of each series).
+    enabled: bool = False
+    hccn_tool: str = "/usr/local/Ascend/driver/tools/hccn_tool"  # network, RoCE and optical groups; "" = skip them
+    intervals: TelemetryIntervals = field(default_factory=TelemetryIntervals)
+
+
+@dataclass
 class Config:
     node_name: str = ""
     state_dir: str = "/var/lib/npu-node-agent"
@@ -135,6 +158,7 @@ class Config:
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     datatrace: DatatraceConfig = field(default_factory=DatatraceConfig)
     taskd_proxy: TaskdProxyConfig = field(default_factory=TaskdProxyConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
 
 def load_config(path: str | None, environ: typing.Mapping[str, str] | None = None) -> Config:
@@ -393,6 +417,9 @@ def validate(config: Config) -> list[str]:
           f"{config.kubernetes.pod_resources_refresh_seconds} is out of range 0.5..3600")
     check(not config.kubernetes.device_info_configmap or config.kubernetes.enabled,
           "kubernetes.device_info_configmap", "needs kubernetes.enabled")
+    for group, seconds in dataclasses.asdict(config.telemetry.intervals).items():
+        check(seconds == 0 or 1 <= seconds <= 86400, f"telemetry.intervals.{group}",
+              f"{seconds} is out of range 1..86400 (0 turns the group off)")
     return problems
 
 
