@@ -20,6 +20,8 @@ driver or file system) it keeps apart so that its other calls go on:
 - disk-guard, profiling-tailer: 1 each (walks and reads of the profiling tree, in order; neither
   waits behind the other or behind the driver);
 - taskd-peers: 2 (/proc walks identifying processes that connect);
+- telemetry: 2, and one stuck read per chip and kind (npu-exporter's families, when enabled; apart from
+  the driver lane so that a hung telemetry call never delays a fault poll);
 - default: 2 (asyncio's default executor, e.g. getaddrinfo).
 Threads start on demand and end after a minute without work, so an idle agent holds the few the
 device polls use; the bound on threads is the sum of the lanes' numbers.
@@ -54,6 +56,7 @@ log = logging.getLogger(__name__)
 
 MAX_DEVICES = 64  # devices.simulated's bound, and more NPUs than any node has
 DRIVER_LANE = (2, MAX_DEVICES + 3)
+TELEMETRY_STUCK = 2 * MAX_DEVICES  # e.g. network health and the sensors of every chip of a dropped card
 HUB_KEEP = 4096  # changes kept in memory for stream subscribers that resume
 MIB = 1 << 20  # TaskD's "MB" is a MiB
 EXIT_OK, EXIT_RUNTIME = 0, 1
@@ -74,6 +77,7 @@ class App:
     pods_of: PodsOf  # physical id -> the containers holding the NPU (empty without attribution)
     guard: object | None = None  # DiskGuard, when profiling.disk_guard
     steps: object | None = None  # StepMetrics, when profiling.metrics
+    telemetry: object | None = None  # TelemetrySampler, when telemetry.enabled
 
 
 def make_backend(config: Config, clock: Callable[[], float] = time.time) -> DeviceBackend:
@@ -88,6 +92,24 @@ def make_backend(config: Config, clock: Callable[[], float] = time.time) -> Devi
     from agent.devices.dcmi import DcmiBackend
 
     return DcmiBackend(devices.dcmi_library)
+
+
+def telemetry_sources(config: Config, backend: DeviceBackend) -> list:
+    """Where telemetry comes from: the driver the fault monitor uses (one session), then hccn_tool."""
+    sources = []
+    if backend.name == "simulated":
+        from agent.telemetry.simulated import SimulatedTelemetry
+
+        return [SimulatedTelemetry(backend.dropped)]
+    if backend.name == "dcmi":
+        from agent.telemetry.dcmi import DcmiTelemetry
+
+        sources.append(DcmiTelemetry(backend))
+    if config.telemetry.hccn_tool:
+        from agent.telemetry.hccn import HccnTool
+
+        sources.append(HccnTool(config.telemetry.hccn_tool, config.devices.call_timeout_seconds))
+    return sources
 
 
 def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[[], float] = time.time) -> App:
@@ -127,10 +149,23 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     listeners = [*([attribution.refresh_soon] if attribution else []), *(sink.notify for sink in sinks)]
     faults = FaultService(config.faults, config.state_dir, fault_log, hub, files=executor.lane("rule-files"),
                           listeners=listeners, once_hold_s=config.devices.poll_interval_seconds, clock=clock)
-    monitor = DeviceMonitor(backend or make_backend(config, clock), faults, calls=executor.lane("driver", *DRIVER_LANE),
+    backend = backend or make_backend(config, clock)
+    monitor = DeviceMonitor(backend, faults, calls=executor.lane("driver", *DRIVER_LANE),
                             poll_interval_s=config.devices.poll_interval_seconds,
                             call_timeout_s=config.devices.call_timeout_seconds, clock=clock)
     servers = [GrpcServer(config.grpc.listen, hub, pods_of)]
+
+    telemetry = None
+    if config.telemetry.enabled:
+        from agent.telemetry.collector import TelemetryCollector
+        from agent.telemetry.sampler import TelemetrySampler
+
+        # Two at once: the HCCS and PCIe bandwidth calls block for their 200 ms sampling window.
+        telemetry = TelemetrySampler(telemetry_sources(config, backend), lambda: monitor.devices,
+                                     lane=executor.lane("telemetry", 2, TELEMETRY_STUCK),
+                                     intervals=vars(config.telemetry.intervals),
+                                     call_timeout_s=config.devices.call_timeout_seconds)
+        collectors.append(TelemetryCollector(node, telemetry, lambda: monitor.devices, pods_of))
 
     # One watch of this node's pods for whoever needs them (job labels, datatrace, the proxy's pod check).
     node_pods = jobs = None
@@ -192,14 +227,14 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     # servers, so /readyz and the stream answer while the driver is still being opened; sinks before
     # the sources that feed them; the pod watch before the profiling parts that read it.
     first = [attribution] if attribution else []
-    rest = [*servers, *sinks, faults, monitor, *([node_pods] if node_pods and node_pods.subscribed else []), *profiling]
+    rest = [*servers, *sinks, faults, monitor, *([telemetry] if telemetry else []), *([node_pods] if node_pods and node_pods.subscribed else []), *profiling]
     readiness = Readiness([*first, *rest])  # the endpoint that answers /readyz is ready by answering
     collectors[:0] = [AgentCollector(node, monitor, faults, hub, fault_log, sinks, readiness.ready_by_component,
                                      pods_of), ExecutorCollector(node, executor)]
     http = HttpEndpoint(config.http.listen, make_registry(*collectors), readiness.check)
     supervisor = Supervisor([*first, http, *rest])
     return App(config, executor, supervisor, readiness, hub, fault_log, faults, monitor, http, servers[0], pods_of,
-               guard, steps)
+               guard, steps, telemetry)
 
 
 async def serve(config: Config, stop: asyncio.Event | None = None, backend: DeviceBackend | None = None,

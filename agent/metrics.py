@@ -18,11 +18,9 @@ from agent.faults.hub import FaultHub
 from agent.faults.log import FaultLog
 from agent.faults.service import FaultService
 from agent.common.executor import Executor
-from agent.model import Health, PodRef, PodsOf, no_pods
+from agent.model import Health, PodsOf, no_pods
+from agent.telemetry.families import CARD_LABELS, POD_LABELS, pod_labels
 
-POD_LABELS = ("namespace", "pod_name", "container_name")  # npu-exporter's names
-CARD_LABELS = ("id", "model_name", "vdie_id", "pcie_bus_info", *POD_LABELS)  # npu-exporter's per-chip labels, in order
-MULTI_POD = "not_displayed_for_multi_pod"
 ERROR_CODE_FAMILIES = ("npu_chip_info_error_code", *(f"npu_chip_info_error_code_{n}" for n in range(1, 10)))
 MACHINE_HEALTH = (
     (Health.HEALTHY, "machine_healthy_npu_nums", "Amount of healthy npu on the machine."),
@@ -30,16 +28,6 @@ MACHINE_HEALTH = (
     (Health.UNKNOWN, "machine_unknown_npu_nums",
      "Amount of npu on the machine whose health cannot be obtained via DCMI interface."),
 )
-
-
-def pod_labels(pods: tuple[PodRef, ...]) -> tuple[str, str, str]:
-    """npu-exporter's pod labels of a chip: its one container, "" when free, a placeholder when shared (one
-    series per chip either way, so a chip's series do not multiply with its containers)."""
-    if not pods:
-        return ("", "", "")
-    if len(pods) > 1:
-        return (MULTI_POD, MULTI_POD, MULTI_POD)
-    return (pods[0].namespace, pods[0].pod, pods[0].container)
 
 
 def _counts(name: str, documentation: str, node: str, label: str, counts: dict[str, int]) -> CounterMetricFamily:

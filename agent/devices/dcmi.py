@@ -71,9 +71,12 @@ class DcmiBackend:
             self._functions[name] = fn
             return fn
 
-    def _call(self, name: str, *args) -> int:
+    def call(self, name: str, *args) -> int:
+        """`name(*args)`; DCMI_ERR_SYMBOL_MISSING when the library does not export it."""
         fn = self._fn(name)
         return abi.DCMI_ERR_SYMBOL_MISSING if fn is None else fn(*args)
+
+    _call = call
 
     # ---- DeviceBackend --------------------------------------------------------------------------
 

@@ -48,6 +48,10 @@ class SimulatedBackend:
             return Reading(Health.UNKNOWN, codes | {CARD_DROP_CODE})  # the health call fails with -8012
         return Reading(Health.UNHEALTHY if codes else Health.HEALTHY, codes)
 
+    def dropped(self, phy_id: int) -> bool:
+        with self._lock:
+            return phy_id in self._dropped
+
     def subscribe(self, on_event: Callable[[DriverEvent], None]) -> str:
         self._on_event = on_event
         if self._scenario is not None and self._scenario.steps and self._thread is None:
