@@ -85,6 +85,8 @@ def write_demo_files(workdir: Path, clusterd_port: int = 0, kubelet_socket: Path
         "faults": {"customization_file": str(workdir / "customization.json")},
         # A simulated job writes profiling records here; the small limit puts the disk guard to work.
         "profiling": {"root": str(workdir / "profiling"), "disk_limit_mb": DEMO_DISK_LIMIT_MB},
+        # npu-exporter's telemetry families, with values the simulated chips make up (they follow the load).
+        "telemetry": {"enabled": True},
     }
     if clusterd_port:
         config["clusterd"] = {"enabled": True, "address": f"127.0.0.1:{clusterd_port}"}
@@ -141,6 +143,8 @@ def run_demo(duration: float, workdir: str | None, slow_after: float = 60.0) -> 
             http, grpc_port = agent.http.port, agent.grpc.port
             print(f"npu-node-agent demo: simulated 8-NPU node 'demo-node', scripted faults repeating every 60 s\n"
                   f"  metrics:      http://127.0.0.1:{http}/metrics   (npu_agent_device_fault, npu_chip_info_health_status, ...)\n"
+                  f"  telemetry:    npu-exporter's families (npu_chip_info_utilization, npu_chip_info_hbm_used_memory, "
+                  f"npu_chip_info_power, ...)\n"
                   f"  readiness:    http://127.0.0.1:{http}/readyz\n"
                   f"  fault stream: npu-node-agent faults --target 127.0.0.1:{grpc_port} --follow\n"
                   f"  ClusterD:     a demo ClusterD on 127.0.0.1:{clusterd.port} prints the public faults it receives\n"

@@ -124,7 +124,9 @@ def metric_families() -> dict[str, tuple[str, tuple[str, ...], str]]:
     """Family name as scraped (a counter with its `_total`) -> (type, label names, HELP)."""
     families = {}
     for collector in collector_classes():
-        for family in build(collector).collect():
+        built = build(collector)
+        # A collector whose families depend on what it finds (telemetry) describes them all.
+        for family in [*built.describe(), *built.collect()]:
             name = f"{family.name}_total" if family.type == "counter" else family.name
             # A family with no series names its labels nowhere else (every *MetricFamily keeps them here).
             described = (family.type, tuple(family._labelnames), family.documentation)

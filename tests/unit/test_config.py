@@ -36,6 +36,9 @@ def test_unknown_keys_are_rejected_with_their_path():
     ({"clusterd": {"public_codes": {"SeparateNPU": "12345"}}}, "is not a 9-digit public fault code"),
     ({"datatrace": {"enabled": True}}, "datatrace.enabled: needs kubernetes.enabled"),
     ({"log": "debug"}, "log: expected a mapping"),
+    ({"telemetry": {"intervals": {"utilization": 0.5}}},
+     "telemetry.intervals.utilization: 0.5 is out of range 1..86400 (0 turns the group off)"),
+    ({"telemetry": {"intervals": {"ddr": 10}}}, "telemetry.intervals.ddr: unknown key"),
 ])
 def test_bad_values_name_the_key(document, message):
     with pytest.raises(ConfigError) as info:
