@@ -19,7 +19,7 @@ from agent.faults.log import FaultLog
 from agent.faults.service import FaultService
 from agent.common.executor import Executor
 from agent.model import Health, PodsOf, no_pods
-from agent.telemetry.families import CARD_LABELS, POD_LABELS, pod_labels
+from agent.telemetry.labels import CARD_LABELS, POD_LABELS, pod_labels
 
 ERROR_CODE_FAMILIES = ("npu_chip_info_error_code", *(f"npu_chip_info_error_code_{n}" for n in range(1, 10)))
 MACHINE_HEALTH = (

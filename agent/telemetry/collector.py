@@ -11,7 +11,8 @@ from typing import Callable, Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from agent.model import DeviceInfo, PodsOf
-from agent.telemetry.families import BY_NAME, FAMILIES, pod_labels
+from agent.telemetry.families import BY_NAME, FAMILIES
+from agent.telemetry.labels import pod_labels
 from agent.telemetry.sampler import RESULTS, TelemetrySampler
 
 # Per-chip families npu-exporter fills only for a chip held by exactly one container: (family, from family).

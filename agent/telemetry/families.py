@@ -10,15 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent.model import PodRef
+from agent.telemetry.labels import CARD_LABELS, POD_LABELS
 
-# Per-chip labels, npu-exporter's order. `node` is put first by the collector.
-POD_LABELS = ("namespace", "pod_name", "container_name")
-CARD_LABELS = ("id", "model_name", "vdie_id", "pcie_bus_info", *POD_LABELS)
 NAME_LABELS = ("id", "name", "vdie_id", "pcie_bus_info", *POD_LABELS)  # npu_chip_info_name says `name`
 CONTAINER_INFO_LABELS = ("npuID", "model_name", "vdie_id", "pcie_bus_info", *POD_LABELS, "containerID", "containerName")
 
-MULTI_POD = "not_displayed_for_multi_pod"
 HCCS_LINKS_A2 = range(1, 8)  # HCCS ports exported on A2 and on the A3 boards the agent knows
 HCCS_PROFILING_MS = 200  # npu-exporter's default -hccsBWProfilingTime and -profilingTime (PCIe)
 PCIE_BW_TYPES = ("minPcieBw", "maxPcieBw", "avgPcieBw")  # index 0, 1, 2 of each PCIe bandwidth array
@@ -156,13 +152,3 @@ FAILED_AS_MINUS_ONE = {
     "hccs": tuple(f.name for f in FAMILIES if f.group == "hccs"),
     "network": ("npu_chip_info_link_status",),
 }
-
-
-def pod_labels(pods: tuple[PodRef, ...]) -> tuple[str, str, str]:
-    """npu-exporter's pod labels of a chip: its one container, "" when free, a placeholder when shared (one
-    series per chip either way, so a chip's series do not multiply with its containers)."""
-    if not pods:
-        return ("", "", "")
-    if len(pods) > 1:
-        return (MULTI_POD, MULTI_POD, MULTI_POD)
-    return (pods[0].namespace, pods[0].pod, pods[0].container)

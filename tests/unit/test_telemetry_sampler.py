@@ -13,7 +13,8 @@ from agent.common.executor import Executor
 from agent.metrics import make_registry
 from agent.model import DeviceInfo, PodRef
 from agent.telemetry.collector import TelemetryCollector
-from agent.telemetry.families import BY_NAME, MULTI_POD
+from agent.telemetry.families import BY_NAME
+from agent.telemetry.labels import MULTI_POD
 from agent.telemetry.sampler import TelemetrySampler
 from testkit.wait import until
 
