@@ -185,6 +185,20 @@ def test_host_namespaces(helm):
     assert proxy["dnsPolicy"] == "ClusterFirstWithHostNet"  # ClusterD's service name still resolves
 
 
+def test_telemetry_widens_only_the_pid_namespace_and_only_on_real_npus(helm):
+    telemetry = helm.render(None, "agent.telemetry.enabled=true")
+    spec = telemetry.pod["spec"]
+    assert spec["hostPID"] is True and spec["hostNetwork"] is False  # process -> container via the host's /proc
+    config = yaml.safe_load(telemetry.one("ConfigMap", RELEASE)["data"]["config.yaml"])
+    assert config["telemetry"]["enabled"] is True
+    assert config["telemetry"]["hccn_tool"] == "/usr/local/Ascend/driver/tools/hccn_tool"
+    # hccn_tool and libdcmi both come from the driver directory, already mounted read-only for DCMI.
+    mounts = {m["mountPath"]: m for m in spec["containers"][0]["volumeMounts"]}
+    assert mounts["/usr/local/Ascend/driver"]["readOnly"] is True
+    simulated = helm.render("simulated", "agent.telemetry.enabled=true").pod["spec"]
+    assert simulated["hostPID"] is False  # fake NPUs have no processes on the host
+
+
 def _rules(rendered, kind: str) -> list[dict] | None:
     role = rendered.maybe(kind)
     return None if role is None else [{k: r[k] for k in ("apiGroups", "resources", "verbs")} for r in role["rules"]]
