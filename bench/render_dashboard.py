@@ -34,6 +34,7 @@ DASHBOARDS = {"training": FILES / "grafana-dashboard.json", "node": FILES / "gra
 MISSING_MATPLOTLIB = ("render_dashboard: matplotlib is not installed; install it with "
                       ".venv/bin/pip install -e '.[render]' (or pip install matplotlib)")
 DRAWN_TYPES = {"timeseries", "state-timeline", "heatmap", "table"}
+HEADING = "row"  # a row only titles the panels below it: drawn as a heading, nothing queried
 
 # Series: one result of query_range, {"metric": {label: value}, "values": [[t, "v"], ...]}.
 Series = dict
@@ -269,6 +270,9 @@ class Renderer:
             w = usable_w * g["w"] / 24 - gap * px
             top = 1 - header - usable_h * g["y"] / rows - gap / 2 * py
             h = usable_h * g["h"] / rows - gap * py
+            if panel["type"] == HEADING:
+                fig.text(x0, top - h / 2, panel["title"], color="#FFFFFF", fontsize=11, fontweight="bold", va="center")
+                continue
             fig.patches.append(FancyBboxPatch((x0, top - h), w, h, boxstyle="round,pad=0,rounding_size=0.003",
                                               transform=fig.transFigure, facecolor=PANEL, edgecolor=BORDER, lw=1,
                                               zorder=-1))
