@@ -7,7 +7,9 @@
     fake.fail(0, "speed", rc=1)                 # non-zero exit
     fake.hang(1, "optical", 30)                 # blocks 30 s before answering
 
-Layout the script reads: <dir>/<phy>/<command> (stdout), <command>.rc (exit code), <command>.sleep (seconds).
+Layout the script reads: <dir>/<phy>/<command> (stdout), <command>.rc (exit code), <command>.sleep (seconds);
+<dir> is <root>/chips, or $FAKE_HCCN_DIR when whoever runs the script passes it (HccnTool passes only PATH and
+LD_LIBRARY_PATH). A chip without a directory gets exit code 1.
 """
 
 from __future__ import annotations
@@ -97,16 +99,24 @@ class FakeHccn:
         self._optical[phy].update({key.replace("_", " "): value for key, value in fields.items()})
         self.set(phy, "optical", optical_text(self._optical[phy]))
 
-    def fail(self, phy: int, command: str, rc: int = 1, stdout: str = "") -> None:
-        self.set(phy, command, stdout)
+    def fail(self, phy: int, command: str, rc: int = 1, stdout: str | None = None) -> None:
+        """Exit with rc, printing stdout (default: the output as it is)."""
+        if stdout is not None:
+            self.set(phy, command, stdout)
         self._file(phy, command, ".rc").write_text(f"{rc}\n")
 
     def hang(self, phy: int, command: str, seconds: float) -> None:
         self._file(phy, command, ".sleep").write_text(f"{seconds}\n")
 
+    def hung_pid(self, phy: int, command: str) -> int | None:
+        """The pid of the run that is (or was) sleeping in hang()."""
+        path = self._file(phy, command, ".pid")
+        text = path.read_text().strip() if path.exists() else ""
+        return int(text) if text else None
+
     def clear(self, phy: int, command: str) -> None:
         """Undo fail() and hang() (the output stays)."""
-        for suffix in (".rc", ".sleep"):
+        for suffix in (".rc", ".sleep", ".pid"):
             self._file(phy, command, suffix).unlink(missing_ok=True)
 
     def _file(self, phy: int, command: str, suffix: str = "") -> Path:
