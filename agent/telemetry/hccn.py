@@ -147,7 +147,8 @@ class HccnTool:
         self._env = {name: os.environ[name] for name in ("PATH", "LD_LIBRARY_PATH") if name in os.environ}
         self._lock = threading.Lock()
         self._unsupported: set[tuple[int, str]] = set()
-        self._logged: set[tuple[int, str]] = set()
+        self._logged: set[tuple[int, str]] = set()  # (phy, command) whose garbled output was logged
+        self._failing: set[tuple[int, str]] = set()  # (phy, command) whose last run failed: logged once
         self.garbled = 0  # values the tool printed that did not parse (their families were left out)
         self._available = os.path.isfile(path) and os.access(path, os.X_OK)
         if not self._available:
@@ -269,20 +270,29 @@ class HccnTool:
         try:
             rc, out = run_capped(argv, self._timeout_s, self._env)
         except OSError as error:
-            log.warning("cannot run hccn_tool", extra={"device": phy, "command": f"-{command}", "error": str(error)})
-            return None
+            return self._failed(phy, command, f"cannot run it: {error}")
         if rc is None:
-            log.warning("hccn_tool outlived its timeout; killed it",
-                        extra={"device": phy, "command": f"-{command}", "timeout_s": self._timeout_s})
-            return None
+            return self._failed(phy, command, f"killed after {self._timeout_s} s")
         text = out.decode(errors="replace")
         if rc != 0:
             if NOT_SUPPORTED.search(text):
                 self._set_unsupported(phy, command)
                 return None
-            log.debug("hccn_tool failed", extra={"device": phy, "command": f"-{command}", "rc": rc})
-            return None
+            return self._failed(phy, command, f"exit code {rc}")
+        with self._lock:
+            recovered = (phy, command) in self._failing
+            self._failing.discard((phy, command))
+        if recovered:
+            log.info("hccn_tool works again", extra={"device": phy, "command": f"-{command}"})
         return text
+
+    def _failed(self, phy: int, command: str, why: str) -> None:
+        """Log a failing command once until it works again: a stuck port fails every minute."""
+        with self._lock:
+            first = (phy, command) not in self._failing
+            self._failing.add((phy, command))
+        (log.warning if first else log.debug)("hccn_tool failed", extra={
+            "device": phy, "command": f"-{command}", "why": why})
 
 
 def run_capped(argv: list[str], timeout_s: float, env: dict[str, str]) -> tuple[int | None, bytes]:

@@ -182,3 +182,23 @@ def alive_in_group(pgid: int) -> list[int]:
         if fields[0] != "Z" and int(fields[2]) == pgid:
             found.append(int(entry.name))
     return found
+
+
+def test_the_tool_gets_a_minimal_environment(tmp_path, monkeypatch):
+    script = tmp_path / "hccn_tool"
+    script.write_text('#!/bin/sh\necho "roce_rx_all_pkt_num:${HCCN_TEST_VAR:-0}"\necho "roce_tx_all_pkt_num:1"\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("HCCN_TEST_VAR", "5")
+    got = values(HccnTool(str(script), TIMEOUT_S), 0, "roce")
+    assert got["npu_chip_roce_rx_all_pkt_num"] == 0.0 and got["npu_chip_roce_tx_all_pkt_num"] == 1.0
+
+
+def test_a_failing_command_is_logged_once_until_it_recovers(fake, tool, caplog):
+    fake.fail(0, "speed", rc=3)
+    with caplog.at_level(logging.INFO, logger="agent.telemetry.hccn"):
+        for _ in range(3):
+            assert "npu_chip_link_speed" not in values(tool, 0, "network")
+        fake.clear(0, "speed")
+        assert values(tool, 0, "network")["npu_chip_link_speed"] == 200000.0
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert messages == ["hccn_tool failed", "hccn_tool works again"]
