@@ -160,6 +160,11 @@ class HccnTool:
     def reads(self, device: DeviceInfo) -> tuple[str, ...]:
         return READS if self._available else ()
 
+    def read_timeout(self, read: str, call_timeout_s: float) -> float:
+        """Every run has its own deadline (and is killed past it): the read may take them all, one by one."""
+        runs = len(NETWORK_COMMANDS) if read == "network" else 1
+        return runs * self._timeout_s + call_timeout_s
+
     def read(self, device: DeviceInfo, read: str) -> list[Sample]:
         phy = device.phy_id
         if read == "network":
