@@ -406,8 +406,10 @@ def test_telemetry_struct_layouts_match_the_c_compiler(fake):
     c_names = {abi.HbmInfo: "dcmi_hbm_info", abi.EccInfo: "dcmi_ecc_info",
                abi.MultiUtilizationInfo: "dcmi_multi_utilization_info",
                abi.PcieLinkBandwidthInfo: "dcmi_pcie_link_bandwidth_info",
-               abi.HccsStatisticInfo: "dcmi_hccs_statistic_info", abi.HccsStatisticInfoU64: "dcmi_hccs_statistic_info_u64",
-               abi.HccsBandwidthInfo: "dcmi_hccs_bandwidth_info", abi.SioCrcErrStatisticInfo: "dcmi_sio_crc_err_statistic_info",
+               abi.HccsStatisticInfo: "dcmi_hccs_statistic_info",
+               abi.HccsStatisticInfoU64: "dcmi_hccs_statistic_info_u64",
+               abi.HccsBandwidthInfo: "dcmi_hccs_bandwidth_info",
+               abi.SioCrcErrStatisticInfo: "dcmi_sio_crc_err_statistic_info",
                abi.PcieInfoAll: "dcmi_pcie_info_all", abi.DieId: "dcmi_die_id", abi.ProcMemInfo: "dcmi_proc_mem_info",
                abi.ElabelInfo: "dcmi_elabel_info"}
     assert set(c_names) == set(abi.TELEMETRY_SIZES)
@@ -487,7 +489,8 @@ def read_field(lib, logic: int, field: str):
     elif group == "hccs":
         kind, port = rest.split(".")
         rc, out = device_info(lib, logic, abi.MAIN_CMD_HCCS, abi.HCCS_SUB_STATISTIC_U64, abi.HccsStatisticInfoU64)
-        value = getattr(out, {"tx": "tx_cnt", "rx": "rx_cnt", "crc": "crc_err_cnt", "retry": "retry_cnt"}[kind])[int(port)]
+        member = {"tx": "tx_cnt", "rx": "rx_cnt", "crc": "crc_err_cnt", "retry": "retry_cnt"}[kind]
+        value = getattr(out, member)[int(port)]
     elif group == "hccs_bw":
         kind, port = rest.split(".")
         rc, out = hccs_bw(lib, logic)
@@ -591,7 +594,8 @@ def test_hccs_and_sio_statistics_check_the_size_and_wrap_the_32_bit_view(fake):
     assert rc == OK and out.crc_err_cnt[3] == 5 and list(out.tx_cnt) == [1000 + p for p in range(16)]
     rc, out = device_info(lib, 0, abi.MAIN_CMD_HCCS, abi.HCCS_SUB_STATISTIC_U64, abi.HccsStatisticInfoU64)
     assert rc == OK and out.crc_err_cnt[3] == 2**32 + 5
-    for sub, cls in ((abi.HCCS_SUB_STATISTIC, abi.HccsStatisticInfo), (abi.HCCS_SUB_STATISTIC_U64, abi.HccsStatisticInfoU64)):
+    for sub, cls in ((abi.HCCS_SUB_STATISTIC, abi.HccsStatisticInfo),
+                     (abi.HCCS_SUB_STATISTIC_U64, abi.HccsStatisticInfoU64)):
         assert device_info(lib, 0, abi.MAIN_CMD_HCCS, sub, cls, ctypes.sizeof(cls) - 1)[0] == INVALID_PARAM
     sio = abi.SioCrcErrStatisticInfo
     assert device_info(lib, 0, abi.MAIN_CMD_SIO, abi.SIO_SUB_CRC, sio, ctypes.sizeof(sio) - 1)[0] == INVALID_PARAM

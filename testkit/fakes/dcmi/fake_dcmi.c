@@ -9,7 +9,12 @@
  * faults, hangs and failures are injected at run time through a unix socket
  * (FAKE_DCMI_CONTROL) served by a detached thread, because the library lives
  * inside the process under test.  See build.py / control.py for the Python
- * side; g_commands below lists the control commands.
+ * side; g_commands below lists the control commands.  Telemetry readings are
+ * per chip ("tele", "procs"; defaults in default_tele()); "hang", "fail" and
+ * "tele <logic> unsupported" can target one chip.  Calls that name a card
+ * only (dcmi_get_card_elabel_v2) use the knobs of the card's first chip;
+ * calls that name no chip (dcmi_get_dcmi_version, the topology calls) only
+ * those set without a logic id.
  */
 #define _GNU_SOURCE
 #include "dcmi_abi.h"
@@ -51,11 +56,11 @@ _Static_assert(offsetof(struct dcmi_ecc_info, single_bit_next_isolated_pages_cnt
                offsetof(struct dcmi_ecc_info, double_bit_next_isolated_pages_cnt) == 32, "dcmi_ecc_info offsets");
 _Static_assert(sizeof(struct dcmi_multi_utilization_info) == 48, "dcmi_multi_utilization_info size");
 _Static_assert(offsetof(struct dcmi_multi_utilization_info, npu_util) == 12 &&
-               offsetof(struct dcmi_multi_utilization_info, reserved) == 16, "dcmi_multi_utilization_info offsets");
+               offsetof(struct dcmi_multi_utilization_info, reserved) == 16, "multi_utilization offsets");
 _Static_assert(sizeof(struct dcmi_pcie_link_bandwidth_info) == 88, "dcmi_pcie_link_bandwidth_info size");
 _Static_assert(offsetof(struct dcmi_pcie_link_bandwidth_info, tx_p_bw) == 4 &&
                offsetof(struct dcmi_pcie_link_bandwidth_info, tx_np_lantency) == 40 &&
-               offsetof(struct dcmi_pcie_link_bandwidth_info, rx_cpl_bw) == 76, "dcmi_pcie_link_bandwidth_info offsets");
+               offsetof(struct dcmi_pcie_link_bandwidth_info, rx_cpl_bw) == 76, "pcie_link_bandwidth offsets");
 _Static_assert(sizeof(struct dcmi_hccs_statistic_info) == 512, "dcmi_hccs_statistic_info size");
 _Static_assert(offsetof(struct dcmi_hccs_statistic_info, rx_cnt) == 64 &&
                offsetof(struct dcmi_hccs_statistic_info, retry_cnt) == 192 &&
