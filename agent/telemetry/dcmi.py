@@ -16,7 +16,7 @@ from typing import Callable
 from agent.devices import dcmi_abi as abi
 from agent.devices.dcmi import DcmiBackend
 from agent.model import DeviceInfo
-from agent.telemetry.families import HCCS_LINKS_A2, HCCS_PROFILING_MS, PCIE_BW_TYPES
+from agent.telemetry.families import NETWORK_HEALTH_TIMEOUT_S, HCCS_LINKS_A2, HCCS_PROFILING_MS, PCIE_BW_TYPES
 from agent.telemetry.source import Sample
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,10 @@ class DcmiTelemetry:
 
     def read(self, device: DeviceInfo, read: str) -> list[Sample]:
         return self._reads[read](device)
+
+    def read_timeout(self, read: str, call_timeout_s: float) -> float:
+        # npu-exporter's bound on the network health call, which blocks for long after a card dropped
+        return min(call_timeout_s, NETWORK_HEALTH_TIMEOUT_S) if read == "network_health" else call_timeout_s
 
     def node(self) -> list[Sample]:
         from agent import __version__

@@ -19,7 +19,7 @@ from agent.common.errors import Once
 from agent.common.executor import CallTimeout, Lane, StillStuck
 from agent.lifecycle import Tasks
 from agent.model import DeviceInfo
-from agent.telemetry.families import BY_NAME, FAILED_AS_MINUS_ONE, GROUPS, NETWORK_HEALTH_TIMEOUT_S
+from agent.telemetry.families import BY_NAME, FAILED_AS_MINUS_ONE, GROUPS
 from agent.telemetry.source import Sample, TelemetrySource
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class TelemetrySampler:
             await asyncio.sleep(max(0.0, interval - spent))
 
     async def _read(self, group: str, device: DeviceInfo, source: TelemetrySource, read: str) -> None:
-        timeout = min(self._call_timeout_s, NETWORK_HEALTH_TIMEOUT_S) if read == "network_health" else self._call_timeout_s
+        timeout = source.read_timeout(read, self._call_timeout_s)
         key = (device.logic_id, read)
         why = ""
         try:

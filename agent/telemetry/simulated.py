@@ -30,6 +30,9 @@ class SimulatedTelemetry:
     def reads(self, device: DeviceInfo) -> tuple[str, ...]:
         return READS
 
+    def read_timeout(self, read: str, call_timeout_s: float) -> float:
+        return call_timeout_s
+
     def unsupported(self) -> list[tuple[int, str]]:
         return []
 

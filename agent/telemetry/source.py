@@ -21,6 +21,9 @@ class TelemetrySource(Protocol):
         """Blocking: one read of one chip. A driver call that fails gives npu-exporter's failure value; a
         function the driver does not support is logged once and not called again."""
 
+    def read_timeout(self, read: str, call_timeout_s: float) -> float:
+        """How long the sampler waits for a read before it counts as unknown (the call time-out, as a rule)."""
+
     def node(self) -> list[Sample]:
         """Blocking, once at start: node-level samples (driver version)."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import shutil
 import tempfile
 import threading
@@ -22,6 +23,9 @@ CODE_A, CODE_B, CODE_C = 0x80E01801, 0x8C2FA009, 0xA8028802
 # The product's ctypes definitions; their layout is checked against the C compiler in test_dcmi_agent.py.
 from agent.devices.dcmi_abi import EVENT_CALLBACK as CALLBACK  # noqa: E402
 from agent.devices.dcmi_abi import ChipInfo, DieId, DmsFaultEvent, EventFilter, PcieInfoAll  # noqa: E402
+from agent.devices import dcmi_abi as abi  # noqa: E402
+from testkit.fakes.dcmi.control import (TELEMETRY_ALIASES, TELEMETRY_FIELDS, default_processes,  # noqa: E402
+                                        default_serial)
 _KEEPALIVE: list = []  # the library keeps callback pointers until process exit
 
 P = ctypes.POINTER
@@ -45,7 +49,8 @@ _SIGNATURES = {
 
 def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    for name, argtypes in _SIGNATURES.items():
+    telemetry = {name: argtypes for name, (_, argtypes) in abi.SIGNATURES.items() if name not in _SIGNATURES}
+    for name, argtypes in {**_SIGNATURES, **telemetry, "dcmi_get_mainboard_id": [_INT, _INT, P(_UINT)]}.items():
         if hasattr(lib, name):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
@@ -389,3 +394,297 @@ def test_no_subscribe_variant_lacks_symbol(make_fake):
     assert "dcmi_subscribe_fault_event" not in fake.ctl.stats()["calls"]
     fake.ctl.occur(0, CODE_A)  # events with no subscribers are fine
     assert error_codes(fake.lib, 0) == (OK, [CODE_A])
+
+
+# -- telemetry ---------------------------------------------------------------
+
+NOT_SUPPORTED = -8255
+
+
+def test_telemetry_struct_layouts_match_the_c_compiler(fake):
+    layout = json.loads(fake.lib.fake_dcmi_layout())
+    c_names = {abi.HbmInfo: "dcmi_hbm_info", abi.EccInfo: "dcmi_ecc_info",
+               abi.MultiUtilizationInfo: "dcmi_multi_utilization_info",
+               abi.PcieLinkBandwidthInfo: "dcmi_pcie_link_bandwidth_info",
+               abi.HccsStatisticInfo: "dcmi_hccs_statistic_info",
+               abi.HccsStatisticInfoU64: "dcmi_hccs_statistic_info_u64",
+               abi.HccsBandwidthInfo: "dcmi_hccs_bandwidth_info",
+               abi.SioCrcErrStatisticInfo: "dcmi_sio_crc_err_statistic_info",
+               abi.PcieInfoAll: "dcmi_pcie_info_all", abi.DieId: "dcmi_die_id", abi.ProcMemInfo: "dcmi_proc_mem_info",
+               abi.ElabelInfo: "dcmi_elabel_info"}
+    assert set(c_names) == set(abi.TELEMETRY_SIZES)
+    for cls, size in abi.TELEMETRY_SIZES.items():
+        c = layout[c_names[cls]]
+        assert ctypes.sizeof(cls) == c["size"] == size, cls.__name__
+        assert {name: getattr(cls, name).offset for name, _ in cls._fields_} == {
+            k: v for k, v in c.items() if k != "size"}, cls.__name__
+
+
+def scalar(lib, function: str, ctype, logic: int, *extra) -> tuple[int, int]:
+    value = ctype(0x5A5A)
+    rc = getattr(lib, function)(logic, 0, *extra, ctypes.byref(value))
+    return rc, value.value
+
+
+def fill(lib, function: str, cls, logic: int, *extra, **preset):
+    out = cls(**preset)
+    rc = getattr(lib, function)(logic, 0, *extra, ctypes.byref(out))
+    return rc, out
+
+
+def device_info(lib, logic: int, main: int, sub: int, cls, size: int | None = None):
+    out, n = cls(), ctypes.c_uint(ctypes.sizeof(cls) if size is None else size)
+    rc = lib.dcmi_get_device_info(logic, 0, main, sub, ctypes.byref(out), ctypes.byref(n))
+    return rc, out
+
+
+def hccs_bw(lib, logic: int, ms: int = 1, out=None):
+    out = out or abi.HccsBandwidthInfo()
+    out.profiling_time = ms
+    return lib.dcmi_get_hccs_link_bandwidth_info(logic, 0, ctypes.byref(out)), out
+
+
+def pcie_bw(lib, logic: int, ms: int = 0):
+    out = abi.PcieLinkBandwidthInfo(profiling_time=ms)
+    return lib.dcmi_get_pcie_link_bandwidth_info(logic, 0, ctypes.byref(out)), out
+
+
+def procs(lib, logic: int) -> tuple[int, list[tuple[int, int]]]:
+    table, n = (abi.ProcMemInfo * abi.MAX_PROCESSES)(), ctypes.c_int(-1)
+    rc = lib.dcmi_get_device_resource_info(logic, 0, table, ctypes.byref(n))
+    return rc, [(p.proc_id, p.proc_mem_usage) for p in table[: max(n.value, 0)]]
+
+
+def version(lib, size: int = abi.DCMI_VERSION_LEN) -> tuple[int, bytes]:
+    buf = ctypes.create_string_buffer(b"\xff" * size, size)
+    return lib.dcmi_get_dcmi_version(buf, size), buf.raw
+
+
+def elabel(lib, card: int):
+    out = abi.ElabelInfo()
+    return lib.dcmi_get_card_elabel_v2(card, ctypes.byref(out)), out
+
+
+def read_field(lib, logic: int, field: str):
+    """One telemetry field, read through the DCMI call that reports it."""
+    field = TELEMETRY_ALIASES.get(field, field)
+    group, _, rest = field.partition(".")
+    simple = {"temperature": ("dcmi_get_device_temperature", ctypes.c_int),
+              "power": ("dcmi_get_device_power_info", ctypes.c_int),
+              "voltage": ("dcmi_get_device_voltage", ctypes.c_uint),
+              "network_health": ("dcmi_get_device_network_health", ctypes.c_int),
+              "mainboard_id": ("dcmi_get_mainboard_id", ctypes.c_uint)}
+    if field in simple:
+        rc, value = scalar(lib, *simple[field], logic)
+    elif group in ("freq", "util"):
+        fn = "dcmi_get_device_frequency" if group == "freq" else "dcmi_get_device_utilization_rate"
+        rc, value = scalar(lib, fn, ctypes.c_uint, logic, int(rest))
+    elif group == "hbm":
+        rc, out = fill(lib, "dcmi_get_device_hbm_info", abi.HbmInfo, logic)
+        value = getattr(out, {"total": "memory_size", "used": "memory_usage", "freq": "freq", "temp": "temp",
+                              "bw": "bandwith_util_rate"}[rest])
+    elif group == "ecc":
+        rc, out = fill(lib, "dcmi_get_device_ecc_info", abi.EccInfo, logic, abi.DEVICE_TYPE_HBM)
+        value = getattr(out, rest)
+    elif group == "hccs":
+        kind, port = rest.split(".")
+        rc, out = device_info(lib, logic, abi.MAIN_CMD_HCCS, abi.HCCS_SUB_STATISTIC_U64, abi.HccsStatisticInfoU64)
+        member = {"tx": "tx_cnt", "rx": "rx_cnt", "crc": "crc_err_cnt", "retry": "retry_cnt"}[kind]
+        value = getattr(out, member)[int(port)]
+    elif group == "hccs_bw":
+        kind, port = rest.split(".")
+        rc, out = hccs_bw(lib, logic)
+        value = getattr(out, f"{kind}_bandwidth")[int(port)]
+    elif group == "pcie":
+        member, index = rest.split(".")
+        rc, out = pcie_bw(lib, logic)
+        value = getattr(out, member)[int(index)]
+    else:
+        rc, out = device_info(lib, logic, abi.MAIN_CMD_SIO, abi.SIO_SUB_CRC, abi.SioCrcErrStatisticInfo)
+        value = getattr(out, f"{rest}_error_count")
+    return rc, value
+
+
+def test_every_telemetry_field_has_its_default_and_can_be_set_per_chip(make_fake):
+    fake = make_fake(cards="2")
+    lib, ctl = fake.lib, fake.ctl
+    for field, default in TELEMETRY_FIELDS.items():
+        assert read_field(lib, 1, field) == (OK, default), field
+        new = default + 7 if isinstance(default, int) else default * 3
+        ctl.tele(1, field, new)
+        assert read_field(lib, 1, field) == (OK, new), field
+        assert read_field(lib, 0, field) == (OK, default), f"{field} leaked to another chip"
+    for alias, field in TELEMETRY_ALIASES.items():
+        ctl.tele(0, alias, 77)
+        assert read_field(lib, 0, field) == (OK, 77), alias
+
+
+@pytest.mark.parametrize("field, sent, read", [
+    ("temperature", -300, -300), ("temperature", 4294967295, -1), ("power", -1, -1),
+    ("voltage", 2147483647, 2147483647), ("voltage", 4294967295, 4294967295), ("util.aicore", 101, 101),
+    ("hbm.temp", -5, -5), ("hbm.used", 2**64 - 1, 2**64 - 1), ("sio.rx", 65535, 65535),
+    ("network_health", 5, 5), ("freq.7", 4294967295, 4294967295)])
+def test_out_of_range_readings_can_be_injected(fake, field, sent, read):
+    fake.ctl.tele(0, field, sent)
+    assert read_field(fake.lib, 0, field) == (OK, read)
+
+
+def test_tele_rejects_unknown_fields_and_bad_values(fake):
+    ctl = fake.ctl
+    for field, value in [("nope", 1), ("util.16", 1), ("hccs.tx.16", 1), ("pcie.tx_p_bw.3", 1), ("temperature", 2**32),
+                         ("sio.tx", 65536), ("ecc.single_bit_next_isolated_pages_cnt", 1)]:
+        with pytest.raises(RuntimeError, match="unknown field|bad value"):
+            ctl.tele(0, field, value)
+    with pytest.raises(RuntimeError, match="bad logic id"):
+        ctl.tele(8, "power", 1)
+    with pytest.raises(RuntimeError, match="unknown function"):
+        ctl.unsupported(0, "dcmi_nope")
+
+
+def test_unsupported_types_and_commands(fake):
+    lib = fake.lib
+    for kind in (0, 1, 3, 8, 12, 15, 16, -1):
+        assert scalar(lib, "dcmi_get_device_frequency", ctypes.c_uint, 0, kind)[0] == NOT_SUPPORTED, kind
+    for kind in (0, 1, 3, 7, 15, 16, -1):
+        assert scalar(lib, "dcmi_get_device_utilization_rate", ctypes.c_uint, 0, kind)[0] == NOT_SUPPORTED, kind
+    for kind in (0, 1, 3, 0xFF):
+        assert fill(lib, "dcmi_get_device_ecc_info", abi.EccInfo, 0, kind)[0] == NOT_SUPPORTED
+    assert device_info(lib, 0, abi.MAIN_CMD_HCCS, 4, abi.HccsStatisticInfoU64)[0] == NOT_SUPPORTED
+    assert device_info(lib, 0, abi.MAIN_CMD_SIO, 1, abi.HccsStatisticInfoU64)[0] == NOT_SUPPORTED
+    assert device_info(lib, 0, 17, 3, abi.HccsStatisticInfoU64)[0] == NOT_SUPPORTED
+
+
+def test_a_function_unsupported_on_one_chip_only(fake):
+    lib, ctl = fake.lib, fake.ctl
+    ctl.unsupported(2, "dcmi_get_device_hbm_info")
+    assert fill(lib, "dcmi_get_device_hbm_info", abi.HbmInfo, 2)[0] == NOT_SUPPORTED
+    assert fill(lib, "dcmi_get_device_hbm_info", abi.HbmInfo, 1)[0] == OK
+    ctl.unsupported(2, "dcmi_get_device_hbm_info", False)
+    assert fill(lib, "dcmi_get_device_hbm_info", abi.HbmInfo, 2)[0] == OK
+
+
+def test_ecc_writes_only_the_first_seven_members(fake):
+    fake.ctl.tele(0, "ecc.double_bit_isolated_pages_cnt", 9)
+    rc, out = fill(fake.lib, "dcmi_get_device_ecc_info", abi.EccInfo, 0, abi.DEVICE_TYPE_HBM,
+                   single_bit_error_cnt=0xEEEE, single_bit_next_isolated_pages_cnt=0xABCD,
+                   double_bit_next_isolated_pages_cnt=0xDCBA)
+    assert rc == OK and (out.enable_flag, out.single_bit_error_cnt, out.double_bit_isolated_pages_cnt) == (1, 0, 9)
+    assert (out.single_bit_next_isolated_pages_cnt, out.double_bit_next_isolated_pages_cnt) == (0xABCD, 0xDCBA)
+
+
+def test_multi_utilization_with_and_without_period(make_fake):
+    fake = make_fake()
+    fake.ctl.tele(3, "util.cube", 61)
+    expected = (61, 30, 35, 40)  # aic (cube), aiv (vector), aicore, npu (overall)
+    rc, out = fill(fake.lib, "dcmi_get_device_multi_utilization_rate", abi.MultiUtilizationInfo, 3)
+    assert rc == OK and (out.aic_util, out.aiv_util, out.aicore_util, out.npu_util) == expected
+    out = abi.MultiUtilizationInfo()
+    rc = fake.lib.dcmi_get_device_multi_utilization_rate_period(3, 0, ctypes.byref(out), 1)
+    assert rc == OK and (out.aic_util, out.aiv_util, out.aicore_util, out.npu_util) == expected
+    old = make_fake(variant="no_period")
+    assert not hasattr(old.lib, "dcmi_get_device_multi_utilization_rate_period")
+    assert "dcmi_get_device_multi_utilization_rate_period" not in old.ctl.stats()["calls"]
+    assert fill(old.lib, "dcmi_get_device_multi_utilization_rate", abi.MultiUtilizationInfo, 0)[0] == OK
+
+
+def test_hccs_and_sio_statistics_check_the_size_and_wrap_the_32_bit_view(fake):
+    lib, ctl = fake.lib, fake.ctl
+    ctl.tele(0, "hccs.crc.3", 2**32 + 5)
+    rc, out = device_info(lib, 0, abi.MAIN_CMD_HCCS, abi.HCCS_SUB_STATISTIC, abi.HccsStatisticInfo)
+    assert rc == OK and out.crc_err_cnt[3] == 5 and list(out.tx_cnt) == [1000 + p for p in range(16)]
+    rc, out = device_info(lib, 0, abi.MAIN_CMD_HCCS, abi.HCCS_SUB_STATISTIC_U64, abi.HccsStatisticInfoU64)
+    assert rc == OK and out.crc_err_cnt[3] == 2**32 + 5
+    for sub, cls in ((abi.HCCS_SUB_STATISTIC, abi.HccsStatisticInfo),
+                     (abi.HCCS_SUB_STATISTIC_U64, abi.HccsStatisticInfoU64)):
+        assert device_info(lib, 0, abi.MAIN_CMD_HCCS, sub, cls, ctypes.sizeof(cls) - 1)[0] == INVALID_PARAM
+    sio = abi.SioCrcErrStatisticInfo
+    assert device_info(lib, 0, abi.MAIN_CMD_SIO, abi.SIO_SUB_CRC, sio, ctypes.sizeof(sio) - 1)[0] == INVALID_PARAM
+
+
+def test_hccs_bandwidth_adds_into_totals_it_does_not_clear(fake):
+    lib = fake.lib
+    rc, out = hccs_bw(lib, 0)
+    assert rc == OK and (out.total_txbw, out.total_rxbw) == (20.0, 40.0)
+    rc, out = hccs_bw(lib, 0, out=out)  # the same struct again, not zeroed
+    assert rc == OK and (out.total_txbw, out.total_rxbw) == (40.0, 80.0)
+    assert list(out.tx_bandwidth) == [1.25] * 16
+
+
+def test_bandwidth_calls_block_for_the_profiling_time_and_check_it(fake):
+    lib = fake.lib
+    for call, ms in ((hccs_bw, 200), (pcie_bw, 200)):
+        start = time.monotonic()
+        assert call(lib, 0, ms)[0] == OK
+        assert time.monotonic() - start >= 0.19
+    assert hccs_bw(lib, 0, 0)[0] == INVALID_PARAM and hccs_bw(lib, 0, 1001)[0] == INVALID_PARAM
+    assert pcie_bw(lib, 0, -1)[0] == INVALID_PARAM and pcie_bw(lib, 0, 2001)[0] == INVALID_PARAM
+
+
+def test_a_sampling_call_does_not_block_other_chips(fake):
+    lib = fake.lib
+    worker = threading.Thread(target=hccs_bw, args=(lib, 0, 1000), daemon=True)
+    worker.start()
+    wait_until(lambda: fake.ctl.stats()["calls"]["dcmi_get_hccs_link_bandwidth_info"] == 1, 5, "sampling call")
+    start = time.monotonic()
+    assert hccs_bw(lib, 1)[0] == OK and read_field(lib, 0, "temperature")[0] == OK
+    assert time.monotonic() - start < 0.9 and worker.is_alive()
+    worker.join(timeout=10)
+
+
+def test_processes_serials_and_version(make_fake):
+    fake = make_fake(cards="2", chips_per_card="2")
+    lib, ctl = fake.lib, fake.ctl
+    # The helpers address (card, chip 0): card 1 is logic 2 here.
+    assert procs(lib, 1) == (OK, default_processes(2))
+    ctl.procs(2, [(4242, 123), (7, 2**40)])
+    assert procs(lib, 1) == (OK, [(4242, 123), (7, 2**40)])
+    ctl.procs(2, [])
+    assert procs(lib, 1) == (OK, [])
+    ctl.procs(2, [(p, p) for p in range(32)])
+    assert procs(lib, 1)[1][31] == (31, 31)
+    with pytest.raises(RuntimeError, match="at most 32"):
+        ctl.procs(2, [(p, p) for p in range(33)])
+    rc, label = elabel(lib, 1)
+    assert rc == OK and label.serial_number == default_serial(1).encode() and label.manufacturer == b"Huawei"
+    ctl.serial(3, "2102314JXT10P5000123")  # logic 3 is card 1, chip 1
+    assert elabel(lib, 1)[1].serial_number == b"2102314JXT10P5000123"
+    assert elabel(lib, 0)[1].serial_number == default_serial(0).encode()
+    assert elabel(lib, 2)[0] == INVALID_PARAM
+    assert version(lib) == (OK, b"24.1.rc3\0" + b"\xff" * 24)
+    ctl.version("25.0.rc1.b030")
+    assert version(lib)[1].split(b"\0")[0] == b"25.0.rc1.b030"
+    assert version(lib, 13)[0] == INVALID_PARAM and version(lib, 14)[0] == OK
+
+
+def test_per_chip_failure_and_a_failure_everywhere(fake):
+    lib, ctl = fake.lib, fake.ctl
+    ctl.fail("dcmi_get_device_temperature", -8005, logic=1)
+    assert [read_field(lib, n, "temperature")[0] for n in range(3)] == [OK, -8005, OK]
+    ctl.fail("dcmi_get_device_temperature", -8006)
+    assert [read_field(lib, n, "temperature")[0] for n in range(3)] == [-8006] * 3
+    ctl.fail("dcmi_get_device_temperature", 0)  # everywhere clears the per-chip one too
+    assert [read_field(lib, n, "temperature")[0] for n in range(3)] == [OK] * 3
+    ctl.fail("dcmi_get_device_health", -8012, 2)  # the fault calls take a chip too
+    assert health(lib, 2)[0] == -8012 and health(lib, 1) == (OK, 0)
+
+
+def test_per_chip_hang_blocks_only_that_chip(fake):
+    lib, ctl = fake.lib, fake.ctl
+    ctl.hang("dcmi_get_device_network_health", 300, logic=4)
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(out=read_field(lib, 4, "network_health")), daemon=True)
+    worker.start()
+    wait_until(lambda: ctl.stats()["calls"]["dcmi_get_device_network_health"] == 1, 5, "hung call")
+    assert read_field(lib, 5, "network_health") == (OK, 0)  # another chip, same function
+    assert read_field(lib, 4, "power") == (OK, 1853)  # same chip, another function
+    assert worker.is_alive() and not result
+    ctl.hang("dcmi_get_device_network_health", 0, logic=4)
+    worker.join(timeout=5)
+    assert result["out"] == (OK, 0)
+
+
+def test_telemetry_of_a_dropped_chip_is_not_ready(fake):
+    fake.ctl.drop(1)
+    assert read_field(fake.lib, 1, "temperature")[0] == NOT_READY
+    assert read_field(fake.lib, 1, "hbm.used")[0] == NOT_READY
+    assert read_field(fake.lib, 0, "temperature")[0] == OK

@@ -49,6 +49,9 @@ class Source:
                         ("npu_chip_info_hbm_used_memory", (), 1000.0)],
                 "hccs": [("npu_chip_info_hccs_bandwidth_info_total_tx", (), 3.5)]}[read]
 
+    def read_timeout(self, read, call_timeout_s):
+        return call_timeout_s
+
     def node(self):
         return [("node_base_info", ("v", "24.1.rc3"), 1.0)]
 

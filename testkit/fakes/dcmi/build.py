@@ -12,6 +12,8 @@ _VARIANTS = {
     "full": [],
     # A driver too old to have dcmi_subscribe_fault_event at all.
     "no_subscribe": ["-DFAKE_DCMI_OMIT_SUBSCRIBE"],
+    # Driver headers without dcmi_get_device_multi_utilization_rate_period (the exporter falls back).
+    "no_period": ["-DFAKE_DCMI_OMIT_PERIOD"],
 }
 
 
