@@ -5,7 +5,8 @@ Two real agents run side by side in the same window, both with the chart's defau
 and the telemetry agent (`telemetry.enabled: true`, npu-exporter's default intervals). Beside them, as
 in bench.footprint, a bare interpreter that imports the agent's dependencies gives the RSS floor the
 footprint goal is stated against. The telemetry agent runs hccn_tool as subprocesses, so its CPU
-counts its reaped children's too. After the CPU window, each agent's /metrics is scraped N times
+counts its reaped children's too (the fake hccn_tool is a shell script, so
+each run costs a fork and exec of sh, as the real tool's would). After the CPU window, each agent's /metrics is scraped N times
 (size, series, wall time and the agent's CPU per scrape).
 
 The 60 s groups run once a minute: a window that is a multiple of 60 s weighs them fairly, a shorter
@@ -32,12 +33,12 @@ from agent.telemetry.families import BY_NAME, GROUPS
 from testkit import REPO
 from testkit.agent import AgentProcess
 from testkit.fakes.dcmi import build_fake_dcmi
+from testkit.fakes.hccn import FakeHccn
 from testkit.fakes.kubelet.podresources import PodResourcesStandIn
 from testkit.wait import wait_until
 
 TARGET_EXTRA_CPU_PERCENT = 1.0  # of one core, over the idle agent
 TARGET_EXTRA_RSS_MIB = 5.0  # over the footprint goal (and over the idle agent)
-FAKE_HCCN_TOOL = REPO / "testkit" / "fakes" / "hccn" / "hccn_tool"
 
 
 class WithChildren(Sampled):
@@ -93,9 +94,9 @@ def parse_args(argv):
     parser.add_argument("--interval", type=float, default=1.0, help="RSS sampling interval in seconds (default 1)")
     parser.add_argument("--cards", type=int, default=16, help="NPUs on the fake node (default 16)")
     parser.add_argument("--scrapes", type=int, default=20, help="scrapes of each agent after the window (default 20)")
-    parser.add_argument("--hccn-tool", default=str(FAKE_HCCN_TOOL) if FAKE_HCCN_TOOL.exists() else "",
-                        help="telemetry.hccn_tool; default the fake testkit/fakes/hccn/hccn_tool when present, "
-                             "else \"\" (the network, roce and optical groups off)")
+    parser.add_argument("--hccn-tool", default=None,
+                        help="telemetry.hccn_tool (\"\" turns the network, roce and optical groups off); default "
+                             "the fake testkit/fakes/hccn (a shell script answering healthy ports for every chip)")
     args = parser.parse_args(argv)
     if args.window <= 0 or args.warmup < 0 or not 0 < args.interval <= args.window or args.scrapes < 1:
         parser.error("--window, --interval and --scrapes must be positive (interval <= window), --warmup not negative")
@@ -172,6 +173,8 @@ def main(argv=None) -> int:
         library = build_fake_dcmi(workdir / "lib")
         kubelet = PodResourcesStandIn(workdir / "kubelet.sock").start()
         env = {"FAKE_DCMI_CARDS": str(args.cards), "FAKE_DCMI_CONTROL": "", "FAKE_DCMI_TRACE": ""}
+        if args.hccn_tool is None:
+            args.hccn_tool = str(FakeHccn(workdir / "hccn", chips=args.cards).path)
         compileall.compile_dir(REPO / "agent", quiet=1)  # as the image does (bench.footprint says why)
         for name, enabled in (("idle", False), ("telemetry", True)):
             home = workdir / name
