@@ -27,9 +27,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.telemetry.families import BY_NAME, GROUPS
 from bench.footprint import (TARGET_RSS_RATIO, Sampled, chart_default_config, ratio, start_baseline,
                              stop_baseline)
-from agent.telemetry.families import BY_NAME, GROUPS
 from testkit import REPO
 from testkit.agent import AgentProcess
 from testkit.fakes.dcmi import build_fake_dcmi
@@ -78,6 +80,7 @@ class Scrapes:
         self.ms = sorted(ms for ms, _ in results)
         self.bytes = len(results[-1][1])
         self.families = series_by_family(results[-1][1])
+        self.text = results[-1][1].decode()
         self.series = sum(self.families.values())
 
 
@@ -153,6 +156,11 @@ def report(args, wall: float, idle: Sampled, tele: Sampled, bare: Sampled, s_idl
         print(f"{label:30} {a:>10.{d}f} {b:>10.{d}f} {ratio(a, b):>10}")
     print(f"telemetry series: {sum(telemetry_series.values())} in {len(telemetry_series)} families; groups seen: "
           f"{', '.join(groups) or 'none'} (of {', '.join(g.name for g in GROUPS)})")
+    failing = {(s.labels["group"], s.labels["result"]): int(s.value)
+               for f in text_string_to_metric_families(s_tele.text) if f.name == "npu_agent_telemetry_reads"
+               for s in f.samples if s.name.endswith("_total") and s.labels["result"] != "ok" and s.value}
+    print("reads that did not answer in time or failed (npu_agent_telemetry_reads_total, whole run): "
+          + (", ".join(f"{group} {result} {n}" for (group, result), n in sorted(failing.items())) or "none"))
     if not telemetry_series:
         print("NOTE: no telemetry family in the scrape: telemetry is not wired in this build, the figures are two idle "
               "agents")
