@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -59,16 +60,6 @@ def scrape(agent: AgentProcess) -> tuple[float, bytes]:
     return (time.perf_counter() - started) * 1000, body
 
 
-def series_by_family(body: bytes) -> dict[str, int]:
-    """Series per metric name (sample lines, comments apart)."""
-    counts: dict[str, int] = {}
-    for line in body.decode().splitlines():
-        if line and not line.startswith("#"):
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            counts[name] = counts.get(name, 0) + 1
-    return counts
-
-
 class Scrapes:
     """N scrapes of one agent: wall times, body size, series, the agent's CPU per scrape."""
 
@@ -79,9 +70,10 @@ class Scrapes:
         self.cpu_ms = (process.cpu_time() - cpu_before) / n * 1000  # the collection in between is included
         self.ms = sorted(ms for ms, _ in results)
         self.bytes = len(results[-1][1])
-        self.families = series_by_family(results[-1][1])
-        self.text = results[-1][1].decode()
-        self.series = sum(self.families.values())
+        self.samples = [sample for family in text_string_to_metric_families(results[-1][1].decode())
+                        for sample in family.samples]
+        self.families = Counter(sample.name for sample in self.samples)
+        self.series = len(self.samples)
 
 
 def parse_args(argv):
@@ -156,9 +148,8 @@ def report(args, wall: float, idle: Sampled, tele: Sampled, bare: Sampled, s_idl
         print(f"{label:30} {a:>10.{d}f} {b:>10.{d}f} {ratio(a, b):>10}")
     print(f"telemetry series: {sum(telemetry_series.values())} in {len(telemetry_series)} families; groups seen: "
           f"{', '.join(groups) or 'none'} (of {', '.join(g.name for g in GROUPS)})")
-    failing = {(s.labels["group"], s.labels["result"]): int(s.value)
-               for f in text_string_to_metric_families(s_tele.text) if f.name == "npu_agent_telemetry_reads"
-               for s in f.samples if s.name.endswith("_total") and s.labels["result"] != "ok" and s.value}
+    failing = {(s.labels["group"], s.labels["result"]): int(s.value) for s in s_tele.samples
+               if s.name == "npu_agent_telemetry_reads_total" and s.labels["result"] != "ok" and s.value}
     print("reads that did not answer in time or failed (npu_agent_telemetry_reads_total, whole run): "
           + (", ".join(f"{group} {result} {n}" for (group, result), n in sorted(failing.items())) or "none"))
     if not telemetry_series:
