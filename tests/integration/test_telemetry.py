@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.telemetry.families import FAMILIES, GROUPS
-from testkit.fakes.hccn import FakeHccn, link_text
+from testkit.fakes.hccn import FakeHccn
 from testkit.fakes.kubelet.podresources import PodResourcesStandIn
 from testkit.wait import wait_until
 from tests.integration.conftest import CARDS, phy
