@@ -112,8 +112,9 @@ class DcmiTelemetry:
         if rc in UNSUPPORTED:
             with self._lock:
                 self._unsupported.add(key)
-            log.info("the driver does not support a telemetry call for this chip; not calling it again",
-                     extra={"device": device.phy_id, "function": what or name, "rc": rc})
+            if rc == abi.DCMI_ERR_NOT_SUPPORTED:  # a missing symbol the backend has logged already
+                log.info("the driver does not support a telemetry call for this chip; not calling it again",
+                         extra={"device": device.phy_id, "function": what or name, "rc": rc})
         return rc
 
     def _get(self, device: DeviceInfo, name: str, *args, ctype=ctypes.c_uint) -> int | None:

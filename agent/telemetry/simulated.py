@@ -1,8 +1,8 @@
 """Telemetry for the simulated backend: plausible values that move, in npu-exporter's units, for the demo.
 
-Each chip follows a training-like load (AI core busy most of the time, a dip every few minutes), with
-temperature and power following it and counters that grow with traffic. A chip with an active fault
-in the simulated driver reads low utilization; a dropped chip reads nothing, as a real dropped card.
+Each chip follows a training-like load (AI core busy most of the time, a dip every five minutes), with
+temperature and power following it and counters that grow with traffic. A dropped chip reads nothing
+(network health unknown), as a real dropped card.
 """
 
 from __future__ import annotations

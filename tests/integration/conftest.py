@@ -27,6 +27,7 @@ def fake_libs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fake-dcmi")
     build_fake_dcmi(out, "full")
     build_fake_dcmi(out, "no_subscribe")
+    build_fake_dcmi(out, "no_period")
     return out
 
 
