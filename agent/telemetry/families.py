@@ -49,6 +49,9 @@ GROUPS = (
     Group("roce", 60.0, ("roce",)),
     Group("optical", 60.0, ("optical",)),
 )
+# Reads whose driver calls block for their sampling window (HCCS and PCIe bandwidth, 200 ms a chip): one at a
+# time, so that they never hold both of the telemetry lane's threads and the quick reads always find one.
+SAMPLING_READS = frozenset({"hccs", "pcie"})
 GROUP_OF_READ = {read: group.name for group in GROUPS for read in group.reads}
 NETWORK_HEALTH_TIMEOUT_S = 1.0  # npu-exporter's bound on dcmi_get_device_network_health, which hangs on a dropped card
 

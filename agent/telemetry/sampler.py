@@ -10,6 +10,7 @@ hung calls do not pile up. Scrapes read the latest samples; nothing is collected
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -19,7 +20,7 @@ from agent.common.errors import Once
 from agent.common.executor import CallTimeout, Lane, StillStuck
 from agent.lifecycle import Tasks
 from agent.model import DeviceInfo
-from agent.telemetry.families import BY_NAME, FAILED_AS_MINUS_ONE, GROUPS
+from agent.telemetry.families import BY_NAME, FAILED_AS_MINUS_ONE, GROUPS, SAMPLING_READS
 from agent.telemetry.source import Sample, TelemetrySource
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class TelemetrySampler:
         self.seconds: Counter[str] = Counter()  # group -> time spent collecting it
         self._state: dict[tuple[int, str], str] = {}  # (logic id, read) -> last result, to log changes only
         self._errors = Once()
+        self._sampling = asyncio.Semaphore(1)  # see SAMPLING_READS
 
     @property
     def groups(self) -> list[str]:
@@ -108,7 +110,8 @@ class TelemetrySampler:
         key = (device.logic_id, read)
         why = ""
         try:
-            samples = await self._lane.run(source.read, device, read, timeout=timeout, key=key)
+            async with self._sampling if read in SAMPLING_READS else contextlib.nullcontext():
+                samples = await self._lane.run(source.read, device, read, timeout=timeout, key=key)
             result = "ok"
         except StillStuck:
             samples, result, why = failed(read), "refused", "the previous read has not returned"
