@@ -148,12 +148,13 @@ def test_failed_and_out_of_range_readings_give_npu_exporters_failure_values(tele
         s = scrape(agent)
         return s if (value(s, "npu_chip_info_network_status", 1) == -1 and value(s, "npu_chip_info_link_status", 4) == -1
                      and value(s, "npu_chip_info_voltage", 0) is not None
+                     and value(s, "npu_chip_info_power", 1) is not None  # chip 1's sensors read, all but one call
+                     and value(s, "npu_chip_info_hccs_bandwidth_info_total_tx", 1) == -1
                      and value(s, "npu_chip_info_utilization", 2) is None
                      and value(s, "npu_chip_info_hbm_total_memory", 2) is None) else None
 
     scraped = wait_until(settled, 15, "the failure values")
-    assert value(scraped, "npu_chip_info_temperature", 1) is None  # omitted
-    assert value(scraped, "npu_chip_info_power", 1) is not None  # only the failed call's family goes
+    assert value(scraped, "npu_chip_info_temperature", 1) is None  # omitted; only the failed call's family goes
     hccs = {f.name for f in FAMILIES if f.group == "hccs"}
     assert {value(scraped, name, 1) for name in hccs} == {-1.0}  # npu-exporter's buildFailedHccs*: every value -1
     assert value(scraped, "npu_chip_info_hbm_ecc_enable_flag", 1) is None
