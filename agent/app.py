@@ -96,11 +96,11 @@ def make_backend(config: Config, clock: Callable[[], float] = time.time) -> Devi
 
 def telemetry_sources(config: Config, backend: DeviceBackend) -> list:
     """Where telemetry comes from: the driver the fault monitor uses (one session), then hccn_tool."""
-    sources = []
     if backend.name == "simulated":
         from agent.telemetry.simulated import SimulatedTelemetry
 
         return [SimulatedTelemetry(backend.dropped)]
+    sources = []
     if backend.name == "dcmi":
         from agent.telemetry.dcmi import DcmiTelemetry
 
@@ -227,7 +227,8 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     # servers, so /readyz and the stream answer while the driver is still being opened; sinks before
     # the sources that feed them; the pod watch before the profiling parts that read it.
     first = [attribution] if attribution else []
-    rest = [*servers, *sinks, faults, monitor, *([telemetry] if telemetry else []), *([node_pods] if node_pods and node_pods.subscribed else []), *profiling]
+    rest = [*servers, *sinks, faults, monitor, *([telemetry] if telemetry else []),
+            *([node_pods] if node_pods and node_pods.subscribed else []), *profiling]
     readiness = Readiness([*first, *rest])  # the endpoint that answers /readyz is ready by answering
     collectors[:0] = [AgentCollector(node, monitor, faults, hub, fault_log, sinks, readiness.ready_by_component,
                                      pods_of), ExecutorCollector(node, executor)]

@@ -76,7 +76,6 @@ class DcmiBackend:
         fn = self._fn(name)
         return abi.DCMI_ERR_SYMBOL_MISSING if fn is None else fn(*args)
 
-    _call = call
 
     # ---- DeviceBackend --------------------------------------------------------------------------
 
@@ -86,18 +85,18 @@ class DcmiBackend:
             self._lib = ctypes.CDLL(self.path, mode=os.RTLD_NOW | os.RTLD_LOCAL)
         except OSError as exc:
             raise BackendError(f"cannot load {self.path}: {exc}") from None
-        rc = self._call("dcmi_init")
+        rc = self.call("dcmi_init")
         if rc != abi.DCMI_OK:
             raise BackendError(f"dcmi_init failed with {rc}")
         count = ctypes.c_int(0)
         cards = (ctypes.c_int * abi.MAX_CARDS)()
-        rc = self._call("dcmi_get_card_list", ctypes.byref(count), cards, abi.MAX_CARDS)
+        rc = self.call("dcmi_get_card_list", ctypes.byref(count), cards, abi.MAX_CARDS)
         if rc != abi.DCMI_OK:
             raise BackendError(f"dcmi_get_card_list failed with {rc}")
         devices = []
         for card in cards[: max(0, min(count.value, abi.MAX_CARDS))]:
             chips = ctypes.c_int(0)
-            rc = self._call("dcmi_get_device_num_in_card", card, ctypes.byref(chips))
+            rc = self.call("dcmi_get_device_num_in_card", card, ctypes.byref(chips))
             if rc != abi.DCMI_OK:
                 log.error("cannot count the chips of a card", extra={"card": card, "rc": rc})
                 continue
@@ -111,17 +110,17 @@ class DcmiBackend:
 
     def _describe(self, card: int, chip: int) -> DeviceInfo | None:
         logic = ctypes.c_int(-1)
-        rc = self._call("dcmi_get_device_logic_id", ctypes.byref(logic), card, chip)
+        rc = self.call("dcmi_get_device_logic_id", ctypes.byref(logic), card, chip)
         if rc != abi.DCMI_OK:
             log.error("cannot read a logic id", extra={"card": card, "chip": chip, "rc": rc})
             return None
         phy = ctypes.c_uint(0)
-        rc = self._call("dcmi_get_device_phyid_from_logicid", logic.value, ctypes.byref(phy))
+        rc = self.call("dcmi_get_device_phyid_from_logicid", logic.value, ctypes.byref(phy))
         if rc != abi.DCMI_OK:
             log.error("cannot read a physical id", extra={"logic_id": logic.value, "rc": rc})
             return None
         info = abi.ChipInfo()
-        rc = self._call("dcmi_get_device_chip_info", card, chip, ctypes.byref(info))
+        rc = self.call("dcmi_get_device_chip_info", card, chip, ctypes.byref(info))
         chip_type = chip_name = chip_ver = ""
         if rc == abi.DCMI_OK:
             chip_type, chip_name, chip_ver = abi.c_text(info.chip_type), abi.c_text(info.chip_name), abi.c_text(info.chip_ver)
@@ -136,7 +135,7 @@ class DcmiBackend:
         """A label read once at inventory (the chip's UUID, its PCIe address); "" when the driver cannot say,
         as npu-exporter exports it."""
         value = struct()
-        rc = self._call(name, card, chip, *args, ctypes.byref(value))
+        rc = self.call(name, card, chip, *args, ctypes.byref(value))
         if rc != abi.DCMI_OK:
             log.warning("cannot read a chip label", extra={"card": card, "chip": chip, "function": name, "rc": rc})
             return ""
@@ -144,17 +143,17 @@ class DcmiBackend:
 
     def read(self, device: DeviceInfo) -> Reading:
         health = ctypes.c_uint(0)
-        rc = self._call("dcmi_get_device_health", device.card_id, device.device_id, ctypes.byref(health))
+        rc = self.call("dcmi_get_device_health", device.card_id, device.device_id, ctypes.byref(health))
         dropped = rc == abi.DCMI_ERR_DEVICE_NOT_READY
         # npu-exporter's reading: 0 healthy, any alarm (even a minor one) unhealthy; a failed call, a dropped card
         # (-8012) included, or an out-of-range value is unknown.
-        if rc != abi.DCMI_OK or health.value >= abi.MAX_HEALTH:
+        if rc != abi.DCMI_OK or health.value >= abi.MAX_READING:
             status = Health.UNKNOWN
         else:
             status = Health.HEALTHY if health.value == 0 else Health.UNHEALTHY
         count = ctypes.c_int(0)
         codes = (ctypes.c_uint * abi.MAX_ERROR_CODES)()
-        code_rc = self._call("dcmi_get_device_errorcode_v2", device.card_id, device.device_id,
+        code_rc = self.call("dcmi_get_device_errorcode_v2", device.card_id, device.device_id,
                              ctypes.byref(count), codes, abi.MAX_ERROR_CODES)
         if code_rc == abi.DCMI_OK:
             found = frozenset(codes[: max(0, min(count.value, abi.MAX_ERROR_CODES))])
@@ -188,7 +187,7 @@ class DcmiBackend:
                 log.exception("fault event callback failed")
 
         self._callback = abi.EVENT_CALLBACK(deliver)
-        rc = self._call("dcmi_subscribe_fault_event", -1, -1, abi.EventFilter(), self._callback)
+        rc = self.call("dcmi_subscribe_fault_event", -1, -1, abi.EventFilter(), self._callback)
         if rc != abi.DCMI_OK:
             self._callback = None
             return f"dcmi_subscribe_fault_event returned {rc}"

@@ -13,7 +13,7 @@ MAX_EVENT_NAME = 256
 MAX_EVENT_DATA = 32
 MAX_EVENT_RESV = 32
 DIE_VDIE = 1  # enum dcmi_die_type: NDIE 0, VDIE 1 (the chip's UUID, npu-exporter's vdie_id)
-MAX_HEALTH = 2**31 - 1  # a health reading this large is no reading (npu-exporter's validation)
+MAX_READING = 2**31 - 1  # a health, voltage or frequency this large is no reading (npu-exporter's validation)
 
 
 class ChipInfo(ctypes.Structure):

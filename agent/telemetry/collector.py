@@ -13,12 +13,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from agent.model import DeviceInfo, PodsOf
 from agent.telemetry.families import BY_NAME, FAMILIES
 from agent.telemetry.labels import pod_labels
-from agent.telemetry.sampler import RESULTS, TelemetrySampler
+from agent.telemetry.sampler import TelemetrySampler
 
 # Per-chip families npu-exporter fills only for a chip held by exactly one container: (family, from family).
 CONTAINER_COPIES = (("container_npu_utilization", "npu_chip_info_utilization"),
                     ("container_npu_total_memory", "npu_chip_info_hbm_total_memory"),
                     ("container_npu_used_memory", "npu_chip_info_hbm_used_memory"))
+CONTAINER_SOURCES = {source for _, source in CONTAINER_COPIES} | {"npu_chip_info_process_info"}
 
 
 class TelemetryCollector:
@@ -44,33 +45,35 @@ class TelemetryCollector:
             families[name].add_metric(labels, value)
 
         devices = self._devices()
-        by_logic = {device.logic_id: device for device in devices}
         cards: dict[int, list[str]] = {}
+        holders = {device.logic_id: self._pods(device.phy_id) for device in devices}
         for device in devices:
-            owner = pod_labels(self._pods(device.phy_id))
+            owner = pod_labels(holders[device.logic_id])
             identity = [device.model_name, device.vdie_id, device.pcie_bus_info]
             card = cards[device.logic_id] = [node, str(device.phy_id), *identity, *owner]
             add("npu_chip_info_name", card, 1)  # npu-exporter's `name` label holds the model name
+        kept: dict[int, dict[str, list]] = {}  # logic id -> samples the container families are made of
         for (logic, _read), samples in list(self._sampler.samples.items()):
             card = cards.get(logic)
             if card is not None:
                 for name, extra, value in samples:
                     add(name, [*card, *extra], value)
+                    if name in CONTAINER_SOURCES:
+                        kept.setdefault(logic, {}).setdefault(name, []).append((extra, value))
         # Container families and the chip -> container table, for chips with exactly one container.
         for device in devices:
-            pods = self._pods(device.phy_id)
+            pods = holders[device.logic_id]
             if len(pods) != 1:
                 continue
-            card, pod = cards[device.logic_id], pods[0]
+            card, pod, chip = cards[device.logic_id], pods[0], kept.get(device.logic_id, {})
             for name, source in CONTAINER_COPIES:
-                for _name, extra, value in self._samples_of(device.logic_id, source):
+                for _extra, value in chip.get(source, ()):
                     add(name, card, value)
-            container_id = next((extra[1] for _n, extra, _v in self._samples_of(device.logic_id,
-                                                                                 "npu_chip_info_process_info")
-                                 if extra[1]), "")
+            processes = chip.get("npu_chip_info_process_info", ())
+            container_id = next((extra[1] for extra, _value in processes if extra[1]), "")  # (pid, container id)
             add("npu_container_info", [*card, container_id, f"{pod.namespace}_{pod.pod}_{pod.container}"], 1)
         if devices:
-            add("machine_card_nums", [node], len({device.card_id for device in by_logic.values()}))
+            add("machine_card_nums", [node], len({device.card_id for device in devices}))
         for name, extra, value in self._sampler.node_samples:
             add(name, [node, *extra], value)
         for family in FAMILIES:  # the table's order; families with no sample are left out, as npu-exporter does
@@ -78,19 +81,13 @@ class TelemetryCollector:
                 yield families[family.name]
         yield from self._own()
 
-    def _samples_of(self, logic: int, name: str):
-        for (read_logic, _read), samples in list(self._sampler.samples.items()):
-            if read_logic == logic:
-                yield from (sample for sample in samples if sample[0] == name)
-
     def _own(self) -> Iterable[Metric]:
         node, sampler = self._node, self._sampler
         reads = CounterMetricFamily("npu_agent_telemetry_reads_total", "Telemetry reads (one chip, one part of a "
                                     "group) by result: ok, timeout (no answer in time), refused (the previous read "
                                     "of that chip still stuck), error", labels=["node", "group", "result"])
         for (group, result), count in sorted(sampler.results.items()):
-            if result in RESULTS:
-                reads.add_metric([node, group, result], count)
+            reads.add_metric([node, group, result], count)
         yield reads
         spent = CounterMetricFamily("npu_agent_telemetry_collection_seconds_total",
                                     "Wall time spent collecting each telemetry group", labels=["node", "group"])

@@ -17,13 +17,12 @@ from agent.devices import dcmi_abi as abi
 from agent.devices.dcmi import DcmiBackend
 from agent.model import DeviceInfo
 from agent.telemetry.families import NETWORK_HEALTH_TIMEOUT_S, HCCS_LINKS_A2, HCCS_PROFILING_MS, PCIE_BW_TYPES
-from agent.telemetry.source import Sample
+from agent.telemetry.source import Sample, node_samples
 
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
 UTILIZATION_PERIOD = 1  # what npu-exporter passes to the _period call
-MAX_READING = 2**31 - 1  # a voltage, frequency or health this large is no reading (npu-exporter's validation)
 MIN_TEMPERATURE = -275
 UNSUPPORTED = (abi.DCMI_ERR_NOT_SUPPORTED, abi.DCMI_ERR_SYMBOL_MISSING)
 CONTAINER_ID = re.compile(r"[0-9a-f]{64}")
@@ -85,15 +84,12 @@ class DcmiTelemetry:
         return min(call_timeout_s, NETWORK_HEALTH_TIMEOUT_S) if read == "network_health" else call_timeout_s
 
     def node(self) -> list[Sample]:
-        from agent import __version__
-
         buffer = ctypes.create_string_buffer(abi.DCMI_VERSION_LEN)
         rc = self._backend.call("dcmi_get_dcmi_version", buffer, abi.DCMI_VERSION_LEN)
         driver = abi.c_text(buffer.raw) if rc == abi.DCMI_OK else ""
         if rc != abi.DCMI_OK:
             log.warning("cannot read the driver version", extra={"rc": rc})
-        version = f"npu-node-agent-{__version__}"
-        return [("npu_exporter_version_info", (version,), 1.0), ("node_base_info", (version, driver), 1.0)]
+        return node_samples(driver)
 
     def unsupported(self) -> list[tuple[int, str]]:
         with self._lock:
@@ -165,10 +161,10 @@ class DcmiTelemetry:
         if power is not None and power >= 0:
             samples.append(("npu_chip_info_power", (), power * 0.1))  # 0.1 W units
         voltage = self._get(device, "dcmi_get_device_voltage")
-        if voltage is not None and voltage < MAX_READING:
+        if voltage is not None and voltage < abi.MAX_READING:
             samples.append(("npu_chip_info_voltage", (), voltage * 0.01))  # 0.01 V units
         frequency = self._get(device, "dcmi_get_device_frequency", abi.FREQ_AICORE_CURRENT)
-        if frequency is not None and frequency < MAX_READING:
+        if frequency is not None and frequency < abi.MAX_READING:
             samples.append(("npu_chip_info_aicore_current_freq", (), float(frequency)))
         samples.append(("npu_chip_info_serial_number", (self._serial(device),), 1.0))
         return samples

@@ -13,7 +13,7 @@ from typing import Callable
 
 from agent.model import DeviceInfo
 from agent.telemetry.families import FAMILIES, HCCS_LINKS_A2, HCCS_PROFILING_MS, PCIE_BW_TYPES
-from agent.telemetry.source import Sample
+from agent.telemetry.source import Sample, node_samples
 
 HBM_TOTAL_MB = 65536
 READS = ("utilization", "sensors", "network_health", "processes", "hbm", "hccs", "pcie", "network", "roce", "optical")
@@ -37,10 +37,7 @@ class SimulatedTelemetry:
         return []
 
     def node(self) -> list[Sample]:
-        from agent import __version__
-
-        version = f"npu-node-agent-{__version__}"
-        return [("npu_exporter_version_info", (version,), 1.0), ("node_base_info", (version, "simulated"), 1.0)]
+        return node_samples("simulated")
 
     def _load(self, phy: int) -> tuple[float, float]:
         """(seconds since start, AI core utilization 0..100) of a chip now."""

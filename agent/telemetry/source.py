@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from agent import __version__
 from agent.model import DeviceInfo
 
 # (family name, values of the family's extra labels, value). A sample a source leaves out is npu-exporter's
 # "omitted"; a failure npu-exporter exports as -1 is a sample of -1.
 Sample = tuple[str, tuple[str, ...], float]
+
+
+def node_samples(driver_version: str) -> list[Sample]:
+    """npu-exporter's version families, naming the agent as the exporter."""
+    exporter = f"npu-node-agent-{__version__}"
+    return [("npu_exporter_version_info", (exporter,), 1.0), ("node_base_info", (exporter, driver_version), 1.0)]
 
 
 class TelemetrySource(Protocol):
