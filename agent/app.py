@@ -75,9 +75,18 @@ class App:
     http: HttpEndpoint
     grpc: GrpcServer
     pods_of: PodsOf  # physical id -> the containers holding the NPU (empty without attribution)
-    guard: object | None = None  # DiskGuard, when profiling.disk_guard
-    steps: object | None = None  # StepMetrics, when profiling.metrics
+    profiling: object | None = None  # OnDemand, when profiling.disk_guard or profiling.metrics
     telemetry: object | None = None  # TelemetrySampler, when telemetry.enabled
+
+    @property
+    def guard(self):
+        """The DiskGuard, once built (profiling.disk_guard; see agent.ondemand)."""
+        return self.profiling.part("disk-guard") if self.profiling else None
+
+    @property
+    def steps(self):
+        """The StepMetrics, once built (profiling.metrics; see agent.ondemand)."""
+        return self.profiling.part("step-metrics") if self.profiling else None
 
 
 def make_backend(config: Config, clock: Callable[[], float] = time.time) -> DeviceBackend:
@@ -90,8 +99,14 @@ def make_backend(config: Config, clock: Callable[[], float] = time.time) -> Devi
         scenario = load_scenario(sim.scenario, sim.devices) if sim.scenario else None
         return SimulatedBackend(sim.devices, sim.chip_name, scenario, clock)
     from agent.devices.dcmi import DcmiBackend
+    from agent.devices.dcmi_abi import SIGNATURES
 
-    return DcmiBackend(devices.dcmi_library)
+    signatures = SIGNATURES
+    if config.telemetry.enabled:  # its ctypes types cost memory: only when asked for
+        from agent.telemetry.dcmi_abi import SIGNATURES as TELEMETRY
+
+        signatures = {**SIGNATURES, **TELEMETRY}
+    return DcmiBackend(devices.dcmi_library, signatures)
 
 
 def telemetry_sources(config: Config, backend: DeviceBackend) -> list:
@@ -114,7 +129,8 @@ def telemetry_sources(config: Config, backend: DeviceBackend) -> list:
 
 def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[[], float] = time.time) -> App:
     """Raises OSError when the fault log in state_dir cannot be opened. Features that are off cost
-    no import: the Kubernetes client, the profiling followers and the proxy load only when enabled."""
+    no import: the Kubernetes client, telemetry and the proxy load only when enabled, the profiling
+    followers only once the profiling root holds something."""
     node, state_dir, kube = config.node_name, Path(config.state_dir), config.kubernetes
     collectors = []
     executor = Executor()
@@ -179,27 +195,44 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
 
         jobs = JobDirectory(node_pods)
 
+    # The profiling root's followers: built once the root holds something (agent.ondemand); their
+    # families are there from the start.
     profiling = []
-    guard = steps = None
-    if config.profiling.disk_guard:
-        from agent.diskguard.guard import DiskGuard
+    followers = None
+    guard_lane = executor.lane("disk-guard") if config.profiling.disk_guard else None
+    tailer_lane = executor.lane("profiling-tailer") if config.profiling.metrics else None
+
+    def build_followers(fresh: bool) -> list:
+        parts = []
+        if guard_lane:
+            from agent.diskguard.guard import DiskGuard
+
+            parts.append(DiskGuard(Path(config.profiling.root), config.profiling.disk_limit_mb * MIB,
+                                   executor=guard_lane))
+        if tailer_lane:
+            from agent.steps.consumer import StepMetrics
+            from agent.steps.tail import ProfilingTailer
+
+            steps = StepMetrics(state_dir / "steps.json", job_labels=jobs.labels if jobs else None,
+                                job_pods=jobs.pods if jobs else None)
+            parts += [steps, ProfilingTailer(Path(config.profiling.root), state_dir / "profiling-offsets.json", steps,
+                                             replay_existing=fresh, executor=tailer_lane)]
+        return parts  # the tailer stops first and hands its last lines over
+
+    if guard_lane or tailer_lane:
+        from agent.ondemand import OnDemand
+
+        followers = OnDemand("profiling", Path(config.profiling.root), build_followers, lane=guard_lane or tailer_lane)
+        profiling.append(followers)
+    if guard_lane:
         from agent.diskguard.metrics import DiskGuardCollector
 
-        guard = DiskGuard(Path(config.profiling.root), config.profiling.disk_limit_mb * MIB,
-                          executor=executor.lane("disk-guard"))
-        collectors.append(DiskGuardCollector(node, guard))
-        profiling.append(guard)
-    if config.profiling.metrics:
-        from agent.steps.consumer import StepMetrics
+        collectors.append(DiskGuardCollector(node, lambda: followers.part("disk-guard"),
+                                             config.profiling.disk_limit_mb * MIB))
+    if tailer_lane:
         from agent.steps.metrics import StepCollector
-        from agent.steps.tail import ProfilingTailer
 
-        steps = StepMetrics(state_dir / "steps.json", job_labels=jobs.labels if jobs else None,
-                            job_pods=jobs.pods if jobs else None)
-        tailer = ProfilingTailer(Path(config.profiling.root), state_dir / "profiling-offsets.json", steps,
-                                 executor=executor.lane("profiling-tailer"))
-        collectors.append(StepCollector(node, steps))
-        profiling += [steps, tailer]  # the tailer stops first and hands its last lines over
+        collectors.append(StepCollector(node, lambda: followers.part("step-metrics")))
     if config.datatrace.enabled:
         from agent.datatrace.metrics import DatatraceCollector
         from agent.datatrace.sync import DatatraceSync
@@ -235,7 +268,7 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     http = HttpEndpoint(config.http.listen, make_registry(*collectors), readiness.check)
     supervisor = Supervisor([*first, http, *rest])
     return App(config, executor, supervisor, readiness, hub, fault_log, faults, monitor, http, servers[0], pods_of,
-               guard, steps, telemetry)
+               followers, telemetry)
 
 
 async def serve(config: Config, stop: asyncio.Event | None = None, backend: DeviceBackend | None = None,

@@ -34,7 +34,7 @@ def seconds(zero_ok: bool):
     return parse
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="npu-node-agent", description="Node agent for Ascend NPU training clusters.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -57,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     faults.add_argument("--timeout", type=seconds(zero_ok=False), default=5.0, help="seconds to wait for the agent (default 5)")
 
     commands.add_parser("version", help="version and build information")
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)  # the parser goes with this line, not kept for the agent's life
     try:
         return {"run": cmd_run, "demo": cmd_demo, "check-config": cmd_check_config,
                 "faults": cmd_faults, "version": cmd_version}[args.command](args)

@@ -157,7 +157,9 @@ class Supervisor:
 
 
 class Readiness:
-    """/readyz and npu_agent_component_ready: each component's own word and its supervised tasks'."""
+    """/readyz and npu_agent_component_ready: each component's own word and its supervised tasks'.
+    A component standing for others until they are built (agent.ondemand.OnDemand) lists them in
+    `parts` once they are: they are reported in its place."""
 
     def __init__(self, components: list[Component]):
         self._components = tuple(components)
@@ -165,7 +167,7 @@ class Readiness:
     def states(self) -> list[tuple[str, bool, str]]:
         """(component, ready, why not)."""
         states = []
-        for component in self._components:
+        for component in (part for c in self._components for part in getattr(c, "parts", None) or (c,)):
             ok, why = component.readiness()
             tasks = getattr(component, "tasks", None)
             failed = tasks.problem if tasks is not None else ""

@@ -1,6 +1,7 @@
 """Idle footprint of npu-node-agent: RSS, CPU and threads with the chart's default configuration.
 
-The real agent (`python -m agent run`) runs as a subprocess with the `agent:` block of
+The real agent (`npu-node-agent run`, the console script the image's ENTRYPOINT is; `python -m agent
+run` when the venv has none) runs as a subprocess with the `agent:` block of
 helm/npu-node-agent/values.yaml (what the chart renders into config.yaml; its host paths moved
 under a temporary directory). So the features on by default are on: the dcmi backend (the fake
 libdcmi.so built from C, testkit/fakes/dcmi, with 16 NPUs: no driver here), pod attribution (a
@@ -195,7 +196,11 @@ def main(argv=None) -> int:
               f"backend dcmi with the fake libdcmi.so ({args.cards} NPUs; no driver here), poll interval "
               f"{config['devices']['poll_interval_seconds']:g} s, a kubelet PodResources stand-in, "
               "no stream subscribers, no injections")
-        agent = AgentProcess(workdir / "agent", config, env).start()
+        agent = AgentProcess(workdir / "agent", config, env)
+        script = Path(sys.executable).parent / "npu-node-agent"
+        if script.is_file():  # as the image starts it (ENTRYPOINT): without runpy, which `-m` loads
+            agent.program = [str(script)]
+        agent.start()
         baseline = start_baseline()
         wait_until(lambda: agent.http("/readyz")[0] == 200, 20, "agent /readyz 200")
         print(f"  agent pid {agent.process.pid}; baseline pid {baseline.pid} "

@@ -36,12 +36,13 @@ class AgentProcess:
         self.raw_stderr: list[str] = []
         self.process: subprocess.Popen | None = None
         self.launcher: list[str] = []  # a command the agent's command line is handed to (it must exec it)
+        self.program: list[str] = [sys.executable, "-m", "agent"]  # or the `npu-node-agent` console script
         self.http_port = self.grpc_port = 0
 
     def start(self, ready_timeout: float = 20.0) -> "AgentProcess":
         self.logs.clear()
         self.process = subprocess.Popen(
-            [*self.launcher, sys.executable, "-m", "agent", "run", "--config", str(self.config_path)],
+            [*self.launcher, *self.program, "run", "--config", str(self.config_path)],
             cwd=REPO, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         threading.Thread(target=self._read_stderr, daemon=True).start()
         http = self.wait_for_log("http endpoint listening", ready_timeout)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import secrets
 import stat
 from collections import Counter
 from dataclasses import dataclass
@@ -155,7 +154,7 @@ class SwitchFiles:
             os.close(fd)
 
     def _replace(self, dir_fd: int, content: bytes) -> None:
-        tmp = TMP_PREFIX + secrets.token_hex(4)
+        tmp = TMP_PREFIX + os.urandom(4).hex()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE,
                      dir_fd=dir_fd)
         try:

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -160,15 +161,19 @@ def run_demo(duration: float, workdir: str | None, slow_after: float = 60.0) -> 
             asyncio.create_task(watch(agent))
             job = DemoJob(Path(config.profiling.root), slow_after_s=slow_after)
             tasks.append(asyncio.create_task(job.run()))
-            if agent.guard is not None:
-                tasks.append(asyncio.create_task(watch_disk(agent.guard)))
-            if agent.steps is not None:
-                tasks.append(asyncio.create_task(watch_steps(agent.steps, job)))
+            # The disk guard and the step pipeline are built once the job's first record is there (agent.ondemand).
+            if config.profiling.disk_guard:
+                tasks.append(asyncio.create_task(watch_disk(lambda: agent.guard)))
+            if config.profiling.metrics:
+                tasks.append(asyncio.create_task(watch_steps(lambda: agent.steps, job)))
 
-        async def watch_steps(steps: StepMetrics, job: DemoJob) -> None:
+        async def watch_steps(built: Callable[[], StepMetrics | None], job: DemoJob) -> None:
             held: set = set()  # (rank, reason) the detector holds slow, as last printed
             while True:
                 await asyncio.sleep(0.2)
+                steps = built()
+                if steps is None:
+                    continue
                 now = {(key.rank, reason) for key, state in steps.detector.ranks.items()
                        for reason, slow in state.slow.items() if slow}
                 for reason in ("compute", "temporal", "io"):
@@ -183,11 +188,12 @@ def run_demo(duration: float, workdir: str | None, slow_after: float = 60.0) -> 
                         say(f"rank(s) {_ranks(cleared)} of job {job.job_id} no longer slow: reason={reason} ({when})")
                 held = now
 
-        async def watch_disk(guard: DiskGuard) -> None:
-            seen, disk_said = guard.files_aged, []
+        async def watch_disk(built: Callable[[], DiskGuard | None]) -> None:
+            seen, disk_said = 0, []
             while True:
                 await asyncio.sleep(0.2)
-                if guard.files_aged != seen:
+                guard = built()
+                if guard is not None and guard.files_aged != seen:
                     if not disk_said or time.monotonic() - disk_said[-1] >= 10:  # the job fills 1 MiB in seconds
                         say(f"disk guard: over {DEMO_DISK_LIMIT_MB} MiB -> aged {guard.files_aged - seen} oldest record "
                             f"file(s); profiling now {guard.usage_bytes / 2**20:.2f} MiB ({disk_summary(guard.root)})")

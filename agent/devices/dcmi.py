@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from agent.devices import dcmi_abi as abi
 from agent.devices.base import BackendError
@@ -43,8 +43,11 @@ def find_library(configured: str, environ=os.environ) -> str:
 class DcmiBackend:
     name = "dcmi"
 
-    def __init__(self, library_path: str = ""):
+    def __init__(self, library_path: str = "", signatures: Mapping[str, tuple] = abi.SIGNATURES):
+        """`signatures`: name -> (restype, argtypes) of every function `call` may be asked for (the
+        fault monitor's, and telemetry's when enabled: agent.telemetry.dcmi_abi)."""
         self._configured = library_path
+        self._signatures = signatures
         self._lib: ctypes.CDLL | None = None
         self._functions: dict[str, Callable] = {}
         self._missing: set[str] = set()
@@ -67,7 +70,7 @@ class DcmiBackend:
                 self._missing.add(name)
                 log.warning("driver library lacks a function", extra={"library": self.path, "function": name})
                 return None
-            fn.restype, fn.argtypes = abi.SIGNATURES[name]
+            fn.restype, fn.argtypes = self._signatures[name]
             self._functions[name] = fn
             return fn
 

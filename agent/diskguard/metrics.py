@@ -1,22 +1,26 @@
-"""Metrics of the profiling disk guard, rendered at scrape time from its state."""
+"""Metrics of the profiling disk guard, rendered at scrape time from its state (before anything under
+the root has built the guard: nothing used, aged or scanned, against the configured limit)."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 
 class DiskGuardCollector:
-    def __init__(self, node: str, guard):
+    """`guard` gives the agent.diskguard.guard.DiskGuard, or None while it is not built."""
+
+    def __init__(self, node: str, guard: Callable[[], object | None], limit_bytes: int):
         self._node = node
         self._guard = guard
+        self._limit_bytes = limit_bytes
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterable[Metric]:
-        node, guard = self._node, self._guard
+        node, guard = self._node, self._guard() or _NotBuilt(self._limit_bytes)
         for name, kind, help_text, value in (
             ("npu_agent_profiling_disk_usage_bytes", GaugeMetricFamily,
              "Bytes of regular files under profiling.root (the disk guard's ledger)", guard.usage_bytes),
@@ -39,3 +43,10 @@ class DiskGuardCollector:
             family = kind(name, help_text, labels=["node"])
             family.add_metric([node], value)
             yield family
+
+
+class _NotBuilt:
+    usage_bytes = files_aged = bytes_aged = scans = overflows = unwatched = errors = 0
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = limit_bytes

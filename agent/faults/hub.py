@@ -9,7 +9,7 @@ A slow subscriber never blocks the publisher or the other subscribers.
 from __future__ import annotations
 
 import asyncio
-import secrets
+import os
 from collections import Counter, deque
 
 from agent.model import Change, DeviceState, Snapshot
@@ -65,7 +65,7 @@ class FaultHub:
     def __init__(self, node: str, keep: int = 4096, queue_limit: int = 1024, epoch: str = "",
                  history: list[Change] = (), latest: dict[int, Change] | None = None):
         self.node = node
-        self.epoch = epoch or secrets.token_hex(8)  # revisions are comparable only within one epoch
+        self.epoch = epoch or os.urandom(8).hex()  # revisions are comparable only within one epoch
         self._latest: dict[int, Change] = dict(latest or {})
         self._recent: deque[Change] = deque(history, maxlen=keep)
         self.revision = max([0, *(c.revision for c in self._recent), *(c.revision for c in self._latest.values())])

@@ -26,7 +26,6 @@ import asyncio
 import json
 import logging
 import os
-import secrets
 import zlib
 from collections import deque
 from dataclasses import dataclass
@@ -141,7 +140,7 @@ class FaultLog:
             if saved.get("epoch") not in (None, epoch):
                 reasons.append("cursors.json belongs to another epoch")
         if reasons or not self.epoch:
-            self.epoch = secrets.token_hex(8)
+            self.epoch = os.urandom(8).hex()
             atomic_write(self._dir / "meta.json", json.dumps({"epoch": self.epoch}).encode())
             if reasons:
                 self.resets = reasons

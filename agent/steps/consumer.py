@@ -28,7 +28,7 @@ from pathlib import Path
 
 from agent.common.fsutil import atomic_write, read_state
 from agent.steps.detect import SlowRankDetector
-from agent.steps import pairing, records
+from agent.steps import reasons
 from agent.steps.records import RankKey, parse
 from agent.steps.pairing import CHECKPOINT, DATALOADER, FORWARD, RankAssembler, StepSample
 from agent.steps.cursors import Position
@@ -49,8 +49,6 @@ IDLE_GRACE_S = 600.0  # a rank with no new record for this long is dropped (its 
 UPKEEP_S = 5.0  # expiry and saving of the state
 MAX_HELD = 131_072  # entries held for unfinished ranges and steps, over all ranks: ~46 MiB at worst (measured)
 MAX_PROCESSES = 16  # per rank, the processes whose newest step is kept (a rank runs one at a time)
-# Every reason a skip is counted under: each is exported from the start, at 0, so that a rate() sees the first one.
-PARSE_ERROR_REASONS = (*records.ERROR_REASONS, *pairing.ERROR_REASONS, *records.BAD_INPUT_REASONS, "node_limit")
 # A job the Kubernetes pod watch does not name (the watch is off, or no pod of this node sets that
 # MINDX_TASK_ID): named by its id, in this namespace. Not a DNS label, so no real namespace is taken
 # for it, and never empty: an empty label is no label, and a scrape would fill in the agent's own namespace.
@@ -121,7 +119,7 @@ class StepMetrics:
                  upkeep_s: float = UPKEEP_S, max_held: int = MAX_HELD):
         self.detector = detector or SlowRankDetector()
         self.ranks: dict[RankKey, RankSeries] = {}
-        self.parse_errors: Counter = Counter(dict.fromkeys(PARSE_ERROR_REASONS, 0))  # reason -> count
+        self.parse_errors: Counter = Counter(dict.fromkeys(reasons.PARSE_ERRORS, 0))  # reason -> count
         self.tasks = Tasks(self.name)
         self._state_file = state_file
         self._clock = clock
@@ -268,7 +266,7 @@ class StepMetrics:
             dropped += series.assembler.shed(level)
             self._held += series.assembler.held - series.held
             series.held = series.assembler.held
-        self._bad(None, "node_limit", f"{dropped} marker entries of the ranks holding the most dropped, to keep "
+        self._bad(None, reasons.NODE_LIMIT, f"{dropped} marker entries of the ranks holding the most dropped, to keep "
                   f"{self._max_held} over {len(ranks)} ranks", "", dropped)
 
     def _bad(self, key, reason: str, detail: str, file: str, count: int = 1) -> None:

@@ -30,9 +30,8 @@ from dataclasses import dataclass, field
 
 from agent.steps.records import RankKey
 from agent.steps.pairing import StepSample
+from agent.steps.reasons import COMPUTE, IO, SLOW, TEMPORAL
 
-TEMPORAL, COMPUTE, IO = "temporal", "compute", "io"
-REASONS = (TEMPORAL, COMPUTE, IO)
 NODE_RANKS, NODE_HOST = "ranks", "host"
 RECENT = 5  # m5: the last 5 eligible steps
 
@@ -79,7 +78,7 @@ class RankState:
     ratio: float | None = None  # m5 / B
     compute: float | None = None  # median forward of the last 5 eligible steps
     spatial_x: float | None = None  # median forward of the last 3 eligible steps: what peers compare
-    slow: dict = field(default_factory=lambda: dict.fromkeys(REASONS, False))
+    slow: dict = field(default_factory=lambda: dict.fromkeys(SLOW, False))
     detections: Counter = field(default_factory=Counter)  # rising edges per reason
     eligible_steps: int = 0
     _learning: list = field(default_factory=list)  # (duration, forward, rest) of the first eligible steps

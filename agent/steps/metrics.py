@@ -1,20 +1,22 @@
-"""The `training_*` metric families, rendered at scrape time from the step consumer's state."""
+"""The `training_*` metric families, rendered at scrape time from the step consumer's state (before
+the first record has built the consumer, the same families without a rank)."""
 
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from agent.steps.detect import REASONS
+from agent.steps.reasons import PARSE_ERRORS, SLOW
 
 
 class StepCollector:
     """`training_*` families: per rank, per job on this node, and the parser's health. Every family
-    of a job carries node, namespace, job_name and job_id (see `StepMetrics.job_labels`)."""
+    of a job carries node, namespace, job_name and job_id (see `StepMetrics.job_labels`). `steps`
+    gives the consumer (agent.steps.consumer.StepMetrics), or None while it is not built."""
 
-    def __init__(self, node: str, steps, clock=time.time):
+    def __init__(self, node: str, steps: Callable[[], object | None], clock=time.time):
         self._node = node
         self._steps = steps
         self._clock = clock
@@ -23,7 +25,7 @@ class StepCollector:
         return []
 
     def collect(self) -> Iterable[Metric]:
-        node, steps, now = self._node, self._steps, self._clock()
+        node, steps, now = self._node, self._steps(), self._clock()
         rank_labels = ["node", "namespace", "job_name", "job_id", "rank", "pp_stage"]
         duration = HistogramMetricFamily("training_step_duration_seconds", "Duration of each completed training step",
                                          labels=[*rank_labels, "clock"])
@@ -55,7 +57,7 @@ class StepCollector:
                                  labels=[*job_rank_labels, "pod_name"])
         jobs: dict[str, tuple[str, str, str]] = {}  # job_id -> its namespace, name and id as label values
         pods: dict[str, str] = {}  # job_id -> pod_name
-        for key, series in sorted(steps.ranks.items(), key=lambda kv: (kv[0].job_id, kv[0].rank)):
+        for key, series in sorted(steps.ranks.items() if steps else (), key=lambda kv: (kv[0].job_id, kv[0].rank)):
             if key.job_id not in jobs:
                 jobs[key.job_id] = tuple(map(_label, (*steps.job_labels(key.job_id), key.job_id)))
                 pods[key.job_id] = _label(steps.pod_of(key.job_id))
@@ -79,7 +81,7 @@ class StepCollector:
                     ratio.add_metric(labels, state.ratio)
                 if state.compute is not None:
                     compute.add_metric(labels, state.compute)
-            for reason in REASONS:
+            for reason in SLOW:
                 slow.add_metric([*labels, reason], int(state is not None and state.slow[reason]))
                 detections.add_metric([*labels, reason], state.detections[reason] if state is not None else 0)
             records.add_metric(job_rank, series.records)
@@ -96,7 +98,7 @@ class StepCollector:
         errors = CounterMetricFamily("training_profiling_parse_errors",
                                      "Bad profiling input skipped on the node, by reason (the log names the job and "
                                      "rank)", labels=["node", "reason"])
-        for reason, count in sorted(steps.parse_errors.items()):
+        for reason, count in sorted(steps.parse_errors.items() if steps else dict.fromkeys(PARSE_ERRORS, 0).items()):
             errors.add_metric([node, reason], count)
         yield from (info, duration, phases, last, completed, total, baseline, ratio, compute, slow, detections,
                     node_slow, records, lag, errors)

@@ -30,8 +30,6 @@ FORWARD, DATALOADER, CHECKPOINT = "forward", "dataloader", "save_checkpoint"
 _PHASES = {b"forward": FORWARD, b"dataloader": DATALOADER, b"save_checkpoint": CHECKPOINT}
 _STEP = re.compile(rb"step\D{0,8}?(\d{1,18})")
 _NO_NAME = frozenset((b"", b"NULL", b"(null)"))
-ERROR_REASONS = ("unpaired", "id_reused", "negative_duration", "unnamed_range", "bad_step_name", "step_incomplete",
-                 "device_range_missing")  # the keys of RankAssembler.errors
 MAX_OPEN = 4096  # half-seen ranges kept per rank; the oldest beyond are dropped as unpaired
 MAX_STEPS = 16_384  # steps kept per rank until a batch ends (a 4 MiB read holds ~1,500)
 MAX_PHASES = 20_000  # completed phase ranges waiting for their step
@@ -82,7 +80,7 @@ class RankAssembler:
     """Pairs one rank's markers into steps. `position` values only need to be ordered (the
     tailer's (file, offset) tuples)."""
 
-    errors: Counter = field(default_factory=Counter)  # reason -> count (the caller logs and exports them)
+    errors: Counter = field(default_factory=Counter)  # reason (agent.steps.reasons.PAIRING) -> count; the caller logs and exports them
     newest_host_ns: int = 0  # the newest host timestamp seen: the parser's lag
     _names: dict = field(default_factory=dict)  # id -> [name, domain, pid | None, halves paired]
     _open: tuple = field(default_factory=lambda: ({}, {}))  # per source: id -> (is_start, ts, flag, position)

@@ -28,10 +28,6 @@ SOURCE_HOST, SOURCE_DEVICE = 0, 1
 START_FLAGS = frozenset((b"2", b"16"))  # MARKER_START (host-only range), MARKER_START_WITH_DEVICE
 END_FLAGS = frozenset((b"4", b"32"))
 WITH_DEVICE_FLAGS = frozenset((b"16", b"32"))
-ERROR_REASONS = ("not_json", "not_object", "bad_field", "missing_field")  # of a line `parse` skips
-# What the tailer reports through `on_bad_input` (files, directories, parallel_group.json).
-BAD_INPUT_REASONS = ("records_lost", "partial_line_at_rotation", "file_truncated", "file_replaced", "line_too_long",
-                     "job_dir", "rank_dir", "parallel_group")
 MAX_U64 = (1 << 64) - 1
 
 _DIGITS = rb"(?:0|[1-9]\d{0,18})"  # 19 digits at most: below 2**64 unchecked; longer ones take the slow path

@@ -45,7 +45,7 @@ class TailConsumer(Protocol):
         """The rank directory (or its job, or the root) was removed."""
 
     def on_bad_input(self, key: RankKey | None, reason: str, detail: str) -> None:
-        """Counted and logged by the consumer; reasons are listed in records.BAD_INPUT_REASONS."""
+        """Counted and logged by the consumer; reasons are listed in agent.steps.reasons.BAD_INPUT."""
 
     def on_batch_end(self) -> Mapping[RankKey, Position] | None:
         """After each batch of on_lines calls: per rank, the position a restart must read again from."""

@@ -13,8 +13,9 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from agent.devices import dcmi_abi as abi
+from agent.devices import dcmi_abi as core
 from agent.devices.dcmi import DcmiBackend
+from agent.telemetry import dcmi_abi as abi
 from agent.model import DeviceInfo
 from agent.telemetry.families import NETWORK_HEALTH_TIMEOUT_S, HCCS_LINKS_A2, HCCS_PROFILING_MS, PCIE_BW_TYPES
 from agent.telemetry.source import Sample, node_samples
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 MIB = 1 << 20
 UTILIZATION_PERIOD = 1  # what npu-exporter passes to the _period call
 MIN_TEMPERATURE = -275
-UNSUPPORTED = (abi.DCMI_ERR_NOT_SUPPORTED, abi.DCMI_ERR_SYMBOL_MISSING)
+UNSUPPORTED = (abi.DCMI_ERR_NOT_SUPPORTED, core.DCMI_ERR_SYMBOL_MISSING)
 CONTAINER_ID = re.compile(r"[0-9a-f]{64}")
 A3_CHIP = re.compile(r"^(Ascend)?910_93")  # the 910_93 (A3) chips; everything else here is an A2 (910B)
 COMMON_READS = ("utilization", "sensors", "network_health", "processes", "hbm", "hccs")
@@ -86,8 +87,8 @@ class DcmiTelemetry:
     def node(self) -> list[Sample]:
         buffer = ctypes.create_string_buffer(abi.DCMI_VERSION_LEN)
         rc = self._backend.call("dcmi_get_dcmi_version", buffer, abi.DCMI_VERSION_LEN)
-        driver = abi.c_text(buffer.raw) if rc == abi.DCMI_OK else ""
-        if rc != abi.DCMI_OK:
+        driver = core.c_text(buffer.raw) if rc == core.DCMI_OK else ""
+        if rc != core.DCMI_OK:
             log.warning("cannot read the driver version", extra={"rc": rc})
         return node_samples(driver)
 
@@ -118,13 +119,13 @@ class DcmiTelemetry:
         value = ctype(0)
         what = f"{name}(type {args[0]})" if args else ""
         rc = self._call(device, name, device.card_id, device.device_id, *args, ctypes.byref(value), what=what)
-        return value.value if rc == abi.DCMI_OK else None
+        return value.value if rc == core.DCMI_OK else None
 
     def _struct(self, device: DeviceInfo, name: str, struct, *after):
         """A call that fills a struct, with `after` arguments behind it; None when it failed."""
         value = struct()
         rc = self._call(device, name, device.card_id, device.device_id, ctypes.byref(value), *after)
-        return value if rc == abi.DCMI_OK else None
+        return value if rc == core.DCMI_OK else None
 
     # ---- reads -----------------------------------------------------------------------------------
 
@@ -161,10 +162,10 @@ class DcmiTelemetry:
         if power is not None and power >= 0:
             samples.append(("npu_chip_info_power", (), power * 0.1))  # 0.1 W units
         voltage = self._get(device, "dcmi_get_device_voltage")
-        if voltage is not None and voltage < abi.MAX_READING:
+        if voltage is not None and voltage < core.MAX_READING:
             samples.append(("npu_chip_info_voltage", (), voltage * 0.01))  # 0.01 V units
         frequency = self._get(device, "dcmi_get_device_frequency", abi.FREQ_AICORE_CURRENT)
-        if frequency is not None and frequency < abi.MAX_READING:
+        if frequency is not None and frequency < core.MAX_READING:
             samples.append(("npu_chip_info_aicore_current_freq", (), float(frequency)))
         samples.append(("npu_chip_info_serial_number", (self._serial(device),), 1.0))
         return samples
@@ -174,9 +175,9 @@ class DcmiTelemetry:
         if serial is None:
             label = abi.ElabelInfo()
             rc = self._call(device, "dcmi_get_card_elabel_v2", device.card_id, ctypes.byref(label))
-            if rc != abi.DCMI_OK:
+            if rc != core.DCMI_OK:
                 return "NA"  # npu-exporter's value; asked again next time
-            serial = self._serials[device.card_id] = abi.c_text(label.serial_number) or "NA"
+            serial = self._serials[device.card_id] = core.c_text(label.serial_number) or "NA"
         return serial
 
     def _read_network_health(self, device: DeviceInfo) -> list[Sample]:
@@ -189,7 +190,7 @@ class DcmiTelemetry:
         count = ctypes.c_int(0)
         rc = self._call(device, "dcmi_get_device_resource_info", device.card_id, device.device_id, entries,
                         ctypes.byref(count))
-        if rc != abi.DCMI_OK:
+        if rc != core.DCMI_OK:
             return []
         return [("npu_chip_info_process_info", (str(entry.proc_id), container_of(entry.proc_id, self._proc)),
                  entry.proc_mem_usage / MIB)
@@ -209,7 +210,7 @@ class DcmiTelemetry:
         ecc = abi.EccInfo()
         rc = self._call(device, "dcmi_get_device_ecc_info", device.card_id, device.device_id, abi.DEVICE_TYPE_HBM,
                         ctypes.byref(ecc))
-        if rc == abi.DCMI_OK:
+        if rc == core.DCMI_OK:
             samples += [(family, (), float(getattr(ecc, field))) for family, field in ECC_FAMILIES]
         return samples
 
@@ -223,7 +224,7 @@ class DcmiTelemetry:
             value, size = struct(), ctypes.c_uint(ctypes.sizeof(struct))
             rc = self._call(device, "dcmi_get_device_info", device.card_id, device.device_id, abi.MAIN_CMD_HCCS, sub,
                             ctypes.byref(value), ctypes.byref(size), what=f"dcmi_get_device_info(HCCS, {sub})")
-            if rc == abi.DCMI_OK:
+            if rc == core.DCMI_OK:
                 self._hccs_sub[device.logic_id], statistic = sub, value
                 break
         for x in HCCS_LINKS_A2:
@@ -233,7 +234,7 @@ class DcmiTelemetry:
         bandwidth = abi.HccsBandwidthInfo(profiling_time=HCCS_PROFILING_MS)
         rc = self._call(device, "dcmi_get_hccs_link_bandwidth_info", device.card_id, device.device_id,
                         ctypes.byref(bandwidth))
-        ok = rc == abi.DCMI_OK
+        ok = rc == core.DCMI_OK
         for x in HCCS_LINKS_A2:
             samples.append((f"npu_chip_info_hccs_bandwidth_info_tx_{x}", (), bandwidth.tx_bandwidth[x] if ok else -1.0))
             samples.append((f"npu_chip_info_hccs_bandwidth_info_rx_{x}", (), bandwidth.rx_bandwidth[x] if ok else -1.0))
@@ -247,7 +248,7 @@ class DcmiTelemetry:
         info = abi.PcieLinkBandwidthInfo(profiling_time=HCCS_PROFILING_MS)
         rc = self._call(device, "dcmi_get_pcie_link_bandwidth_info", device.card_id, device.device_id,
                         ctypes.byref(info))
-        if rc != abi.DCMI_OK:
+        if rc != core.DCMI_OK:
             return []
         return [(family, (kind,), float(getattr(info, field)[i]))
                 for family, field in PCIE_FAMILIES for i, kind in enumerate(PCIE_BW_TYPES)]
@@ -257,7 +258,7 @@ class DcmiTelemetry:
         size = ctypes.c_uint(ctypes.sizeof(info))
         rc = self._call(device, "dcmi_get_device_info", device.card_id, device.device_id, abi.MAIN_CMD_SIO,
                         abi.SIO_SUB_CRC, ctypes.byref(info), ctypes.byref(size), what="dcmi_get_device_info(SIO, 0)")
-        if rc != abi.DCMI_OK:
+        if rc != core.DCMI_OK:
             return []
         return [("npu_chip_info_sio_crc_tx_err_cnt", (), float(info.tx_error_count)),
                 ("npu_chip_info_sio_crc_rx_err_cnt", (), float(info.rx_error_count))]

@@ -24,6 +24,7 @@ CODE_A, CODE_B, CODE_C = 0x80E01801, 0x8C2FA009, 0xA8028802
 from agent.devices.dcmi_abi import EVENT_CALLBACK as CALLBACK  # noqa: E402
 from agent.devices.dcmi_abi import ChipInfo, DieId, DmsFaultEvent, EventFilter, PcieInfoAll  # noqa: E402
 from agent.devices import dcmi_abi as abi  # noqa: E402
+from agent.telemetry import dcmi_abi as tabi  # noqa: E402
 from testkit.fakes.dcmi.control import (TELEMETRY_ALIASES, TELEMETRY_FIELDS, default_processes,  # noqa: E402
                                         default_serial)
 _KEEPALIVE: list = []  # the library keeps callback pointers until process exit
@@ -49,7 +50,7 @@ _SIGNATURES = {
 
 def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    telemetry = {name: argtypes for name, (_, argtypes) in abi.SIGNATURES.items() if name not in _SIGNATURES}
+    telemetry = {name: argtypes for name, (_, argtypes) in tabi.SIGNATURES.items() if name not in _SIGNATURES}
     for name, argtypes in {**_SIGNATURES, **telemetry, "dcmi_get_mainboard_id": [_INT, _INT, P(_UINT)]}.items():
         if hasattr(lib, name):
             fn = getattr(lib, name)
@@ -403,17 +404,17 @@ NOT_SUPPORTED = -8255
 
 def test_telemetry_struct_layouts_match_the_c_compiler(fake):
     layout = json.loads(fake.lib.fake_dcmi_layout())
-    c_names = {abi.HbmInfo: "dcmi_hbm_info", abi.EccInfo: "dcmi_ecc_info",
-               abi.MultiUtilizationInfo: "dcmi_multi_utilization_info",
-               abi.PcieLinkBandwidthInfo: "dcmi_pcie_link_bandwidth_info",
-               abi.HccsStatisticInfo: "dcmi_hccs_statistic_info",
-               abi.HccsStatisticInfoU64: "dcmi_hccs_statistic_info_u64",
-               abi.HccsBandwidthInfo: "dcmi_hccs_bandwidth_info",
-               abi.SioCrcErrStatisticInfo: "dcmi_sio_crc_err_statistic_info",
-               abi.PcieInfoAll: "dcmi_pcie_info_all", abi.DieId: "dcmi_die_id", abi.ProcMemInfo: "dcmi_proc_mem_info",
-               abi.ElabelInfo: "dcmi_elabel_info"}
-    assert set(c_names) == set(abi.TELEMETRY_SIZES)
-    for cls, size in abi.TELEMETRY_SIZES.items():
+    c_names = {tabi.HbmInfo: "dcmi_hbm_info", tabi.EccInfo: "dcmi_ecc_info",
+               tabi.MultiUtilizationInfo: "dcmi_multi_utilization_info",
+               tabi.PcieLinkBandwidthInfo: "dcmi_pcie_link_bandwidth_info",
+               tabi.HccsStatisticInfo: "dcmi_hccs_statistic_info",
+               tabi.HccsStatisticInfoU64: "dcmi_hccs_statistic_info_u64",
+               tabi.HccsBandwidthInfo: "dcmi_hccs_bandwidth_info",
+               tabi.SioCrcErrStatisticInfo: "dcmi_sio_crc_err_statistic_info",
+               abi.PcieInfoAll: "dcmi_pcie_info_all", abi.DieId: "dcmi_die_id", tabi.ProcMemInfo: "dcmi_proc_mem_info",
+               tabi.ElabelInfo: "dcmi_elabel_info"}
+    assert set(c_names) == set(tabi.TELEMETRY_SIZES)
+    for cls, size in tabi.TELEMETRY_SIZES.items():
         c = layout[c_names[cls]]
         assert ctypes.sizeof(cls) == c["size"] == size, cls.__name__
         assert {name: getattr(cls, name).offset for name, _ in cls._fields_} == {
@@ -439,29 +440,29 @@ def device_info(lib, logic: int, main: int, sub: int, cls, size: int | None = No
 
 
 def hccs_bw(lib, logic: int, ms: int = 1, out=None):
-    out = out or abi.HccsBandwidthInfo()
+    out = out or tabi.HccsBandwidthInfo()
     out.profiling_time = ms
     return lib.dcmi_get_hccs_link_bandwidth_info(logic, 0, ctypes.byref(out)), out
 
 
 def pcie_bw(lib, logic: int, ms: int = 0):
-    out = abi.PcieLinkBandwidthInfo(profiling_time=ms)
+    out = tabi.PcieLinkBandwidthInfo(profiling_time=ms)
     return lib.dcmi_get_pcie_link_bandwidth_info(logic, 0, ctypes.byref(out)), out
 
 
 def procs(lib, logic: int) -> tuple[int, list[tuple[int, int]]]:
-    table, n = (abi.ProcMemInfo * abi.MAX_PROCESSES)(), ctypes.c_int(-1)
+    table, n = (tabi.ProcMemInfo * tabi.MAX_PROCESSES)(), ctypes.c_int(-1)
     rc = lib.dcmi_get_device_resource_info(logic, 0, table, ctypes.byref(n))
     return rc, [(p.proc_id, p.proc_mem_usage) for p in table[: max(n.value, 0)]]
 
 
-def version(lib, size: int = abi.DCMI_VERSION_LEN) -> tuple[int, bytes]:
+def version(lib, size: int = tabi.DCMI_VERSION_LEN) -> tuple[int, bytes]:
     buf = ctypes.create_string_buffer(b"\xff" * size, size)
     return lib.dcmi_get_dcmi_version(buf, size), buf.raw
 
 
 def elabel(lib, card: int):
-    out = abi.ElabelInfo()
+    out = tabi.ElabelInfo()
     return lib.dcmi_get_card_elabel_v2(card, ctypes.byref(out)), out
 
 
@@ -480,15 +481,15 @@ def read_field(lib, logic: int, field: str):
         fn = "dcmi_get_device_frequency" if group == "freq" else "dcmi_get_device_utilization_rate"
         rc, value = scalar(lib, fn, ctypes.c_uint, logic, int(rest))
     elif group == "hbm":
-        rc, out = fill(lib, "dcmi_get_device_hbm_info", abi.HbmInfo, logic)
+        rc, out = fill(lib, "dcmi_get_device_hbm_info", tabi.HbmInfo, logic)
         value = getattr(out, {"total": "memory_size", "used": "memory_usage", "freq": "freq", "temp": "temp",
                               "bw": "bandwith_util_rate"}[rest])
     elif group == "ecc":
-        rc, out = fill(lib, "dcmi_get_device_ecc_info", abi.EccInfo, logic, abi.DEVICE_TYPE_HBM)
+        rc, out = fill(lib, "dcmi_get_device_ecc_info", tabi.EccInfo, logic, tabi.DEVICE_TYPE_HBM)
         value = getattr(out, rest)
     elif group == "hccs":
         kind, port = rest.split(".")
-        rc, out = device_info(lib, logic, abi.MAIN_CMD_HCCS, abi.HCCS_SUB_STATISTIC_U64, abi.HccsStatisticInfoU64)
+        rc, out = device_info(lib, logic, tabi.MAIN_CMD_HCCS, tabi.HCCS_SUB_STATISTIC_U64, tabi.HccsStatisticInfoU64)
         member = {"tx": "tx_cnt", "rx": "rx_cnt", "crc": "crc_err_cnt", "retry": "retry_cnt"}[kind]
         value = getattr(out, member)[int(port)]
     elif group == "hccs_bw":
@@ -500,7 +501,7 @@ def read_field(lib, logic: int, field: str):
         rc, out = pcie_bw(lib, logic)
         value = getattr(out, member)[int(index)]
     else:
-        rc, out = device_info(lib, logic, abi.MAIN_CMD_SIO, abi.SIO_SUB_CRC, abi.SioCrcErrStatisticInfo)
+        rc, out = device_info(lib, logic, tabi.MAIN_CMD_SIO, tabi.SIO_SUB_CRC, tabi.SioCrcErrStatisticInfo)
         value = getattr(out, f"{rest}_error_count")
     return rc, value
 
@@ -548,24 +549,24 @@ def test_unsupported_types_and_commands(fake):
     for kind in (0, 1, 3, 7, 15, 16, -1):
         assert scalar(lib, "dcmi_get_device_utilization_rate", ctypes.c_uint, 0, kind)[0] == NOT_SUPPORTED, kind
     for kind in (0, 1, 3, 0xFF):
-        assert fill(lib, "dcmi_get_device_ecc_info", abi.EccInfo, 0, kind)[0] == NOT_SUPPORTED
-    assert device_info(lib, 0, abi.MAIN_CMD_HCCS, 4, abi.HccsStatisticInfoU64)[0] == NOT_SUPPORTED
-    assert device_info(lib, 0, abi.MAIN_CMD_SIO, 1, abi.HccsStatisticInfoU64)[0] == NOT_SUPPORTED
-    assert device_info(lib, 0, 17, 3, abi.HccsStatisticInfoU64)[0] == NOT_SUPPORTED
+        assert fill(lib, "dcmi_get_device_ecc_info", tabi.EccInfo, 0, kind)[0] == NOT_SUPPORTED
+    assert device_info(lib, 0, tabi.MAIN_CMD_HCCS, 4, tabi.HccsStatisticInfoU64)[0] == NOT_SUPPORTED
+    assert device_info(lib, 0, tabi.MAIN_CMD_SIO, 1, tabi.HccsStatisticInfoU64)[0] == NOT_SUPPORTED
+    assert device_info(lib, 0, 17, 3, tabi.HccsStatisticInfoU64)[0] == NOT_SUPPORTED
 
 
 def test_a_function_unsupported_on_one_chip_only(fake):
     lib, ctl = fake.lib, fake.ctl
     ctl.unsupported(2, "dcmi_get_device_hbm_info")
-    assert fill(lib, "dcmi_get_device_hbm_info", abi.HbmInfo, 2)[0] == NOT_SUPPORTED
-    assert fill(lib, "dcmi_get_device_hbm_info", abi.HbmInfo, 1)[0] == OK
+    assert fill(lib, "dcmi_get_device_hbm_info", tabi.HbmInfo, 2)[0] == NOT_SUPPORTED
+    assert fill(lib, "dcmi_get_device_hbm_info", tabi.HbmInfo, 1)[0] == OK
     ctl.unsupported(2, "dcmi_get_device_hbm_info", False)
-    assert fill(lib, "dcmi_get_device_hbm_info", abi.HbmInfo, 2)[0] == OK
+    assert fill(lib, "dcmi_get_device_hbm_info", tabi.HbmInfo, 2)[0] == OK
 
 
 def test_ecc_writes_only_the_first_seven_members(fake):
     fake.ctl.tele(0, "ecc.double_bit_isolated_pages_cnt", 9)
-    rc, out = fill(fake.lib, "dcmi_get_device_ecc_info", abi.EccInfo, 0, abi.DEVICE_TYPE_HBM,
+    rc, out = fill(fake.lib, "dcmi_get_device_ecc_info", tabi.EccInfo, 0, tabi.DEVICE_TYPE_HBM,
                    single_bit_error_cnt=0xEEEE, single_bit_next_isolated_pages_cnt=0xABCD,
                    double_bit_next_isolated_pages_cnt=0xDCBA)
     assert rc == OK and (out.enable_flag, out.single_bit_error_cnt, out.double_bit_isolated_pages_cnt) == (1, 0, 9)
@@ -576,29 +577,29 @@ def test_multi_utilization_with_and_without_period(make_fake):
     fake = make_fake()
     fake.ctl.tele(3, "util.cube", 61)
     expected = (61, 30, 35, 40)  # aic (cube), aiv (vector), aicore, npu (overall)
-    rc, out = fill(fake.lib, "dcmi_get_device_multi_utilization_rate", abi.MultiUtilizationInfo, 3)
+    rc, out = fill(fake.lib, "dcmi_get_device_multi_utilization_rate", tabi.MultiUtilizationInfo, 3)
     assert rc == OK and (out.aic_util, out.aiv_util, out.aicore_util, out.npu_util) == expected
-    out = abi.MultiUtilizationInfo()
+    out = tabi.MultiUtilizationInfo()
     rc = fake.lib.dcmi_get_device_multi_utilization_rate_period(3, 0, ctypes.byref(out), 1)
     assert rc == OK and (out.aic_util, out.aiv_util, out.aicore_util, out.npu_util) == expected
     old = make_fake(variant="no_period")
     assert not hasattr(old.lib, "dcmi_get_device_multi_utilization_rate_period")
     assert "dcmi_get_device_multi_utilization_rate_period" not in old.ctl.stats()["calls"]
-    assert fill(old.lib, "dcmi_get_device_multi_utilization_rate", abi.MultiUtilizationInfo, 0)[0] == OK
+    assert fill(old.lib, "dcmi_get_device_multi_utilization_rate", tabi.MultiUtilizationInfo, 0)[0] == OK
 
 
 def test_hccs_and_sio_statistics_check_the_size_and_wrap_the_32_bit_view(fake):
     lib, ctl = fake.lib, fake.ctl
     ctl.tele(0, "hccs.crc.3", 2**32 + 5)
-    rc, out = device_info(lib, 0, abi.MAIN_CMD_HCCS, abi.HCCS_SUB_STATISTIC, abi.HccsStatisticInfo)
+    rc, out = device_info(lib, 0, tabi.MAIN_CMD_HCCS, tabi.HCCS_SUB_STATISTIC, tabi.HccsStatisticInfo)
     assert rc == OK and out.crc_err_cnt[3] == 5 and list(out.tx_cnt) == [1000 + p for p in range(16)]
-    rc, out = device_info(lib, 0, abi.MAIN_CMD_HCCS, abi.HCCS_SUB_STATISTIC_U64, abi.HccsStatisticInfoU64)
+    rc, out = device_info(lib, 0, tabi.MAIN_CMD_HCCS, tabi.HCCS_SUB_STATISTIC_U64, tabi.HccsStatisticInfoU64)
     assert rc == OK and out.crc_err_cnt[3] == 2**32 + 5
-    for sub, cls in ((abi.HCCS_SUB_STATISTIC, abi.HccsStatisticInfo),
-                     (abi.HCCS_SUB_STATISTIC_U64, abi.HccsStatisticInfoU64)):
-        assert device_info(lib, 0, abi.MAIN_CMD_HCCS, sub, cls, ctypes.sizeof(cls) - 1)[0] == INVALID_PARAM
-    sio = abi.SioCrcErrStatisticInfo
-    assert device_info(lib, 0, abi.MAIN_CMD_SIO, abi.SIO_SUB_CRC, sio, ctypes.sizeof(sio) - 1)[0] == INVALID_PARAM
+    for sub, cls in ((tabi.HCCS_SUB_STATISTIC, tabi.HccsStatisticInfo),
+                     (tabi.HCCS_SUB_STATISTIC_U64, tabi.HccsStatisticInfoU64)):
+        assert device_info(lib, 0, tabi.MAIN_CMD_HCCS, sub, cls, ctypes.sizeof(cls) - 1)[0] == INVALID_PARAM
+    sio = tabi.SioCrcErrStatisticInfo
+    assert device_info(lib, 0, tabi.MAIN_CMD_SIO, tabi.SIO_SUB_CRC, sio, ctypes.sizeof(sio) - 1)[0] == INVALID_PARAM
 
 
 def test_hccs_bandwidth_adds_into_totals_it_does_not_clear(fake):

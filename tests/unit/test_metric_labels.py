@@ -3,7 +3,8 @@ agent (those without a series included: each family keeps its label names)."""
 
 from __future__ import annotations
 
-from agent.steps.consumer import PARSE_ERROR_REASONS, StepMetrics
+from agent.steps.consumer import StepMetrics
+from agent.steps.reasons import PARSE_ERRORS
 from agent.steps.metrics import StepCollector
 from tests.support import gendocs
 
@@ -37,6 +38,6 @@ def test_unknown_jobs_are_named_by_their_id_a_lone_pod_is_the_ranks_and_parse_er
     steps = StepMetrics(tmp_path / "steps.json", job_pods=lambda job_id: pods.get(job_id, ()))
     assert [steps.pod_of(job) for job in ("uid-1", "uid-2", "uid-3")] == ["llama-0", "", ""]  # one pod: that one
 
-    [errors] = [f for f in StepCollector("n", steps).collect() if f.name == "training_profiling_parse_errors"]
+    [errors] = [f for f in StepCollector("n", lambda: steps).collect() if f.name == "training_profiling_parse_errors"]
     assert {s.labels["reason"]: s.value for s in errors.samples if s.name.endswith("_total")} == \
-        dict.fromkeys(PARSE_ERROR_REASONS, 0)
+        dict.fromkeys(PARSE_ERRORS, 0)

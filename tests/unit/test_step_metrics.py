@@ -97,7 +97,7 @@ def test_steps_read_again_after_a_restart_are_not_counted_twice(tmp_path):
 def test_ranks_of_ended_jobs_leave_the_scrape_after_their_grace_with_no_record_arriving(tmp_path):
     clock = Clock()
     steps, _ = consumer(tmp_path, clock, upkeep_s=0.01)
-    scrape = make_registry(StepCollector("node", steps, clock))
+    scrape = make_registry(StepCollector("node", lambda: steps, clock))
     other = RankKey("other", 3)
 
     def scraped_jobs() -> set[str]:
