@@ -6,11 +6,12 @@ helm/npu-node-agent/values.yaml (what the chart renders into config.yaml; its ho
 under a temporary directory). So the features on by default are on: the dcmi backend (the fake
 libdcmi.so built from C, testkit/fakes/dcmi, with 16 NPUs: no driver here), pod attribution (a
 kubelet PodResources stand-in, testkit/fakes/kubelet, answers on the socket), the disk guard and the
-step metrics (an empty profiling tree). As in the image, the agent's bytecode is compiled first.
-Beside it, in the same window, runs the baseline: a bare interpreter of the same venv that imports
-the agent's dependencies (grpc, google.protobuf, prometheus_client, yaml, psutil) and sleeps. After
-a warm-up both are sampled every second (RSS with psutil; CPU time from the kernel at the start and
-end of the window), then VmHWM (the lifetime peak RSS) is read from /proc/<pid>/status and the
+step metrics on an empty profiling tree (as on a node that has run no profiled job: both wait for
+its first entry, agent.ondemand; with records, see bench/step_metrics.py). As in the image, the
+agent's bytecode is compiled first. Beside it, in the same window, runs the baseline: a bare
+interpreter of the same venv that imports the agent's dependencies (grpc, google.protobuf,
+prometheus_client, yaml, psutil) and sleeps. After a warm-up both are sampled every second (RSS
+with psutil; CPU time from the kernel at the start and end of the window), then VmHWM (the lifetime peak RSS) is read from /proc/<pid>/status and the
 threads are counted from /proc/<pid>/task (gRPC's C-core threads apart: it sizes its pool from the
 machine's CPUs).
 
