@@ -99,14 +99,13 @@ def make_backend(config: Config, clock: Callable[[], float] = time.time) -> Devi
         scenario = load_scenario(sim.scenario, sim.devices) if sim.scenario else None
         return SimulatedBackend(sim.devices, sim.chip_name, scenario, clock)
     from agent.devices.dcmi import DcmiBackend
+
+    if not config.telemetry.enabled:  # telemetry's ctypes types cost memory: only when asked for
+        return DcmiBackend(devices.dcmi_library)
     from agent.devices.dcmi_abi import SIGNATURES
+    from agent.telemetry.dcmi_abi import SIGNATURES as TELEMETRY
 
-    signatures = SIGNATURES
-    if config.telemetry.enabled:  # its ctypes types cost memory: only when asked for
-        from agent.telemetry.dcmi_abi import SIGNATURES as TELEMETRY
-
-        signatures = {**SIGNATURES, **TELEMETRY}
-    return DcmiBackend(devices.dcmi_library, signatures)
+    return DcmiBackend(devices.dcmi_library, {**SIGNATURES, **TELEMETRY})
 
 
 def telemetry_sources(config: Config, backend: DeviceBackend) -> list:

@@ -89,7 +89,7 @@ class OnDemand:
     def __init__(self, name: str, root: Path, build: Callable[[bool], list[Component]], *, lane: Lane,
                  poll_s: float = POLL_S, look_timeout_s: float = LOOK_TIMEOUT_S):
         self.name = name
-        self.root = str(Path(os.path.abspath(root)))
+        self.root = os.path.abspath(root)
         self.tasks = Tasks(name)
         self.parts: tuple[Component, ...] = ()
         self._build = build
