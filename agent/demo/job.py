@@ -4,7 +4,8 @@ It plays `SyntheticJob` (16 ranks in 4 pipeline stages by default) against the w
 writes what TaskD's worker would: per step a `step N` range on a stream
 (host and device records), two `forward` ranges on the stream and a host `dataloader` range, one
 compact JSON object per line, appended to `<root>/<job>/<rank>/<10-digit unix seconds>` every
-`flush_s`, a new file every `rotate_s`, and each rank's `parallel_group.json`. From `slow_after_s`
+`flush_s` (with the start record of the step in progress, as MSPTI hands a start over on its own),
+a new file every `rotate_s`, and each rank's `parallel_group.json`. From `slow_after_s`
 on, one rank's forward is 15 % slower. The agent's disk guard ages these files and its step metrics
 read them.
 """
@@ -45,6 +46,7 @@ class DemoJob:
         self._pids = [41000 + rank for rank in range(self.ranks)]
         self._step, self._step_start = 1, self.started
         self._timings = self.model.step(1)
+        self._open_written = False  # the step in progress has its start record on disk
 
     @property
     def slow_from(self) -> float:
@@ -70,18 +72,36 @@ class DemoJob:
             if end > now:
                 return lines
             for timing in self._timings:
-                lines[timing.rank] += "".join(self.records(timing, self._step, self._step_start))
+                records = self.records(timing, self._step, self._step_start)
+                if self._open_written:
+                    records.remove(self._start_line(timing.rank, records))
+                lines[timing.rank] += "".join(records)
             self._step, self._step_start = self._step + 1, end
             self._timings = self.model.step(self._step)  # drawn once per step: the seed replays the run
+            self._open_written = False
+
+    def open_lines(self, now: float) -> list[str]:
+        """Per rank, the start record of the step in progress, once: MSPTI hands a start marker over on
+        its own, so a step's beginning is on disk before its end (what tells a step in progress)."""
+        if self._open_written or self._step_start > now:
+            return [""] * self.ranks
+        self._open_written = True
+        start = int(self._step_start * 1e9)
+        return [_marker(16, 0, start, self._ids[rank], self._pids[rank], f"step {self._step}") for rank in range(self.ranks)]
+
+    def _start_line(self, rank: int, records: list[str]) -> str:
+        """The host start record of the step among its records (written early by open_lines)."""
+        return next(line for line in records if line.startswith('{"Kind":1,"Flag":16,"SourceKind":0,') and
+                    f'"Name":"step ' in line)
 
     async def run(self) -> None:
         self.prepare()
         while True:
             now = time.time()
             file_name = f"{int(self.started + (now - self.started) // self.rotate_s * self.rotate_s):010d}"
-            for rank, text in enumerate(self.lines_until(now)):
-                if text:
-                    self.append(rank, file_name, text)
+            for rank, (text, opened) in enumerate(zip(self.lines_until(now), self.open_lines(now))):
+                if text or opened:
+                    self.append(rank, file_name, text + opened)
             await asyncio.sleep(self.flush_s)
 
     def rank_dir(self, rank: int) -> Path:

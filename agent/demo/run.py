@@ -180,7 +180,15 @@ def run_demo(duration: float, workdir: str | None, slow_after: float = 60.0) -> 
                     raised = sorted(rank for rank, r in now - held if r == reason)
                     cleared = sorted(rank for rank, r in held - now if r == reason)
                     when = f"{time.time() - job.slow_from:+.1f} s from rank {job.slow_rank}'s slowdown"
-                    if raised:
+                    if raised and reason == "compute":
+                        workers = steps.detector.workers.get(job.job_id, {})
+                        for worker in sorted((w for w in workers.values() if set(w.ranks) & set(raised)),
+                                             key=lambda w: int(w.name)):
+                            proof = worker.evidence
+                            say(f"slow worker {worker.name} (rank(s) {_ranks(list(worker.ranks))}, stage "
+                                f"{worker.stage}) of job {job.job_id}: computes {proof.excess:+.0%} over its stage "
+                                f"peers in its last {proof.window} steps, {proof.z:.0f} standard errors ({when})")
+                    elif raised:
                         ratios = [steps.detector.ranks[RankKey(job.job_id, r)].ratio or 0 for r in raised]
                         say(f"slow rank(s) {_ranks(raised)} of job {job.job_id}: reason={reason}, step time up to "
                             f"{max(ratios):.2f}x baseline ({when})")

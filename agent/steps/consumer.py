@@ -29,7 +29,7 @@ from pathlib import Path
 from agent.common.fsutil import atomic_write, read_state
 from agent.steps.detect import SlowRankDetector
 from agent.steps import reasons
-from agent.steps.records import RankKey, parse
+from agent.steps.records import TIMESTAMP, RankKey, parse
 from agent.steps.pairing import CHECKPOINT, DATALOADER, FORWARD, RankAssembler, StepSample
 from agent.steps.cursors import Position
 from agent.lifecycle import Tasks
@@ -49,6 +49,12 @@ IDLE_GRACE_S = 600.0  # a rank with no new record for this long is dropped (its 
 UPKEEP_S = 5.0  # expiry and saving of the state
 MAX_HELD = 131_072  # entries held for unfinished ranges and steps, over all ranks: ~46 MiB at worst (measured)
 MAX_PROCESSES = 16  # per rank, the processes whose newest step is kept (a rank runs one at a time)
+# A rank is training while a step of it is in progress, or ended at most ACTIVE_GRACE_S ago: TaskD
+# writes every 5 s, so records arrive 5-10 s late and the next step's start may not be read yet.
+# A step in progress for longer than HUNG_STEPS of its steps (and HUNG_MIN_S) is hung, not training.
+# Past them the rank is finished, paused or hung: its evidence leaves the scrape.
+ACTIVE_GRACE_S = 30.0
+HUNG_STEPS, HUNG_MIN_S = 10, 60.0
 # A job the Kubernetes pod watch does not name (the watch is off, or no pod of this node sets that
 # MINDX_TASK_ID): named by its id, in this namespace. Not a DNS label, so no real namespace is taken
 # for it, and never empty: an empty label is no label, and a scrape would fill in the agent's own namespace.
@@ -95,6 +101,7 @@ class RankSeries:
     key: RankKey
     assembler: RankAssembler = field(default_factory=RankAssembler)
     stage: str = ""
+    tp_group: tuple[int, ...] | None = None
     steps: dict = field(default_factory=dict)  # clock -> Histogram
     phases: dict = field(default_factory=dict)  # phase -> Histogram
     steps_total: int = 0
@@ -106,6 +113,10 @@ class RankSeries:
     last_input_at: float = 0.0
     gone_at: float | None = None
     held: int = 0  # assembler.held at the end of the last batch
+    open_step_s: float | None = None  # host start of the step in progress (its end not read yet)
+    open_checkpoint_s: float | None = None  # host start of a save_checkpoint in progress
+    read_lag_s: float | None = None  # how old the oldest record of the last batch was when it was read
+    _oldest_ns: int | None = None  # of the records read in this batch: the first of each write is its oldest
 
 
 class StepMetrics:
@@ -155,6 +166,9 @@ class StepMetrics:
         series.gone_at = None
         for reason, line in parsed.errors:
             self._bad(key, reason, f"{file}: {line[:120]!r}", file)
+        if parsed.markers:
+            first = int(parsed.markers[0][TIMESTAMP])
+            series._oldest_ns = first if series._oldest_ns is None else min(series._oldest_ns, first)
         series.assembler.feed(parsed.markers, (file, offset))
         series.end = (file, offset + len(data))
         self._dirty.add(series.key)
@@ -165,7 +179,7 @@ class StepMetrics:
         if stage is None:
             self._bad(key, "parallel_group", "no pipeline group listing this rank", "parallel_group.json")
             return
-        series.stage = stage
+        series.stage, series.tp_group = stage, tensor_group(group, series.key.rank)
 
     def on_rank_gone(self, key) -> None:
         series = self.ranks.get(key)
@@ -178,12 +192,14 @@ class StepMetrics:
     def on_batch_end(self) -> dict[RankKey, Position]:
         """The end of a batch of lines: the position each rank read in it still needs (the tailer commits them)."""
         commits = {}
+        now = self._clock()
         for rank_key in self._dirty:
             series = self.ranks.get(rank_key)
             if series is None:
                 continue
             for sample in series.assembler.finalize():
                 self._count(series, sample)
+            self._in_progress(series, now)
             for reason, count in series.assembler.errors.items():
                 if count:
                     self._bad(rank_key, reason, f"{count} since the last report", series.end[0] if series.end else "",
@@ -195,6 +211,8 @@ class StepMetrics:
             series.assembler.compact()
             self._held += series.assembler.held - series.held
             series.held = series.assembler.held
+        for job_id in {key.job_id for key in self._dirty}:
+            self.detector.settle(job_id)
         self._dirty.clear()
         if self._held > self._max_held:
             self._shed()
@@ -238,7 +256,34 @@ class StepMetrics:
                              (CHECKPOINT, sample.checkpoint_s or None)):
             if value is not None:
                 series.phases.setdefault(phase, Histogram(PHASE_BUCKETS[phase])).observe(value)
-        self.detector.observe(series.key, series.stage, sample)
+        self.detector.observe(series.key, sample, series.stage, series.tp_group)
+
+    def _in_progress(self, series: RankSeries, now: float) -> None:
+        """What the rank is in the middle of, and how late its newest record came."""
+        if series._oldest_ns is not None:  # a writer that holds its records for 40 s shows 40 s
+            series.read_lag_s = max(0.0, now - series._oldest_ns / 1e9)
+            series._oldest_ns = None
+        step, checkpoint = series.assembler.in_progress()
+        series.open_step_s = None
+        if step is not None:
+            pid, number, start_ns = step
+            if number > series.last_steps.get(pid, -1):  # else a step whose end was lost: a later one is done
+                series.open_step_s = start_ns / 1e9
+        series.open_checkpoint_s = None
+        if checkpoint is not None and checkpoint / 1e9 >= (series.last_completed_s or 0.0):
+            series.open_checkpoint_s = checkpoint / 1e9  # one begun before the newest step ended has ended
+
+    def active(self, key: RankKey, now: float) -> bool:
+        """Whether the rank is training: not saving a checkpoint, and in a step that is not hung or
+        within ACTIVE_GRACE_S of the end of one."""
+        series = self.ranks.get(key)
+        if series is None or series.open_checkpoint_s is not None:
+            return False
+        if series.open_step_s is not None:
+            state = self.detector.ranks.get(key)
+            typical = state.typical_step_s if state is not None else None
+            return now - series.open_step_s <= max(HUNG_MIN_S, HUNG_STEPS * (typical or 0.0))
+        return series.last_completed_s is not None and now - series.last_completed_s <= ACTIVE_GRACE_S
 
     def _expire(self, now: float) -> None:
         for key, series in list(self.ranks.items()):
@@ -335,6 +380,16 @@ def _number(value) -> float:
     if type(value) not in (int, float):
         raise TypeError(f"not a number: {value!r:.40}")
     return float(value)  # strict JSON has no NaN or infinity; an int too large for a float raises
+
+
+def tensor_group(group: dict, rank: int) -> tuple[int, ...] | None:
+    """The global ranks of the `tp` group of `parallel_group.json` that lists the rank; None when none does."""
+    for entry in group.values():
+        if isinstance(entry, dict) and entry.get("group_name") == "tp":
+            members = entry.get("global_ranks")
+            if isinstance(members, list) and rank in members and all(type(m) is int for m in members):
+                return tuple(sorted(members))
+    return None
 
 
 def pipeline_stage(group: dict, rank: int) -> str | None:

@@ -1,26 +1,29 @@
-"""Slow-rank detection on a node's step samples (pure; `slownode.md` §9).
+"""Slow-worker detection on a node's step samples (pure).
 
 Temporal, per rank: a robust baseline B (median of the first 50 eligible steps) with S = 1.4826 MAD;
 m5 = median of the last 5 eligible steps; slow when m5 >= 1.10 B and m5 >= B + 4 S on 2 evaluations
 in a row, cleared when m5 < 1.05 B for 10 steps. B moves only every 500 eligible steps, to the median
 of the last 200, and only while no alarm is up and by less than 5 %: a slowdown cannot creep into
-the baseline (FD-OL updates its mean with every sub-threshold step).
+the baseline (FD-OL updates its mean with every sub-threshold step). In a synchronous job every rank
+waits for the slowest, so this says that the job slowed, not who: it feeds the job-level signals.
 
-Spatial, per rank against its peers on this node (same job and pipeline stage): x = median forward
-time of the rank's last 3 eligible steps; with 4 peers or more, slow when x >= 1.10 median and the
-robust z (x - median) / s >= 3.5 (s = IQR / 1.349, at least 1 % of the median) on 2 evaluations
-in a row, and at most max(1, 5 % of the peers) qualify (more is a change of the stage or the
-workload, not a straggler); with 2 or 3 peers, slow when the fastest peer is <= 0.90 of it. The
-window of 3 and 2 evaluations flag a rank on its third slow step. Cleared after 10 evaluations that
-do not qualify. Cross-node peers are compared by Prometheus rules (helm/.../prometheus-rules.yaml).
+Compute, per worker (agent.steps.evidence): a worker is one tensor-parallel group, from the `tp`
+group of `parallel_group.json`; without one, local ranks of a stage whose per-step compute agrees
+within 0.5 % on 90 % of at least 8 common steps are taken for one (TP ranks wait for each other
+inside every layer; data-parallel peers do not). The worker's compute at a step is the median of its
+ranks' summed forward ranges. `settle` judges the workers of a job on this node against their stage
+peers here, with no cap on how many may be slow (a whole slow node is the common case with TP = 8);
+peers on other nodes are compared by the chart's Prometheus rules, over the windows this exports.
+Where no pipeline stage is known (no `parallel_group.json`) a stage imbalance would look like slow
+workers, so there the flagged workers must be fewer than a quarter of the job's.
 
 Eligible steps: not in the first 20 steps of a process or after a pause of more than 60 s, no
 checkpoint overlapping, dataloader at most half the step. Steps dominated by the dataloader are
 `reason="io"` instead (3 of the last 5 raise it, none of the last 5 clears it).
 
-Node verdict per job: `ranks` when at least half of its local ranks are slow for any reason;
-`host` when all of them are temporally slow while none computes slower (forward m5 < 1.05 of its
-own baseline) and the rest of the step (step - forward) grew by 20 % or more.
+Node verdict per job: `ranks` when at least half of its local ranks are in slow workers (compute or
+io); `host` when all of them are temporally slow while none computes slower (forward m5 < 1.05 of
+its own baseline) and the rest of the step (step - forward) grew by 20 % or more.
 """
 
 from __future__ import annotations
@@ -28,12 +31,15 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from agent.steps.records import RankKey
+from agent.steps import evidence
+from agent.steps.evidence import Evidence, Window, median as _median
 from agent.steps.pairing import StepSample
 from agent.steps.reasons import COMPUTE, IO, SLOW, TEMPORAL
+from agent.steps.records import RankKey
 
 NODE_RANKS, NODE_HOST = "ranks", "host"
 RECENT = 5  # m5: the last 5 eligible steps
+UNKNOWN_LAYOUT_SHARE = 0.25  # without stages, flagged workers must be fewer than this share of the job's
 
 
 @dataclass(frozen=True)
@@ -51,13 +57,11 @@ class DetectorConfig:
     rebaseline_max_change: float = 0.05
     io_share: float = 0.5
     io_raise: int = 3
-    spatial_window: int = 3
-    spatial_ratio: float = 1.10
-    spatial_z: float = 3.5
-    spatial_evaluations: int = 2
-    spatial_floor: float = 0.01
-    spatial_max_share: float = 0.05
-    small_peers_score: float = 0.90
+    group_steps: int = 16  # the recent steps two ranks are compared on to find a TP group
+    group_min_common: int = 8
+    group_tolerance: float = 0.005
+    group_agree: float = 0.9
+    group_max_ranks: int = 64  # of a stage on this node: the pairs compared grow with its square
     node_share: float = 0.5
     host_compute_ratio: float = 1.05
     host_rest_rise: float = 1.20
@@ -68,19 +72,22 @@ class RankState:
     """What the detector knows of one rank; the metrics read it."""
 
     stage: str = ""
+    tp_group: tuple[int, ...] | None = None  # global ranks of its TP group, from parallel_group.json
+    worker: str = ""  # the worker it belongs to (see `settle`)
     pid: int | None = None
     warmup_left: int = 0
     last_end_s: float | None = None
+    last_step: int | None = None
     baseline: float | None = None  # B, seconds
     sigma: float = 0.0  # S
     compute_baseline: float | None = None
     rest_baseline: float | None = None  # step - forward
     ratio: float | None = None  # m5 / B
     compute: float | None = None  # median forward of the last 5 eligible steps
-    spatial_x: float | None = None  # median forward of the last 3 eligible steps: what peers compare
     slow: dict = field(default_factory=lambda: dict.fromkeys(SLOW, False))
     detections: Counter = field(default_factory=Counter)  # rising edges per reason
-    eligible_steps: int = 0
+    forwards: deque = field(default_factory=lambda: deque(maxlen=evidence.SPREAD_STEPS))  # (step, forward)
+    version: int = 0  # changes with `forwards`: a worker's windows are built again only then
     _learning: list = field(default_factory=list)  # (duration, forward, rest) of the first eligible steps
     _durations: deque = field(default_factory=deque)  # the last rebaseline_window eligible steps
     _recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))
@@ -90,20 +97,39 @@ class RankState:
     _over: int = 0
     _under: int = 0
     _since_rebaseline: int = 0
-    _spatial_over: int = 0
-    _spatial_under: int = 0
 
     def _set(self, reason: str, value: bool) -> None:
         if value and not self.slow[reason]:
             self.detections[reason] += 1
         self.slow[reason] = value
 
+    @property
+    def typical_step_s(self) -> float | None:
+        """Its usual step time: the baseline, else the median of its recent steps."""
+        if self.baseline is not None:
+            return self.baseline
+        return _median(self._recent) if self._recent else None
+
+
+@dataclass
+class WorkerState:
+    """One worker (TP group) of a job as this node sees it: its local ranks and its evidence."""
+
+    job_id: str
+    stage: str
+    name: str  # the first global rank of its TP group (inferred groups: of its local ranks)
+    ranks: tuple[int, ...]
+    windows: dict[int, Window] = field(default_factory=dict)
+    evidence: Evidence | None = None  # against the stage's workers on this node
+    slow: bool = False  # compute, judged here
+
 
 class SlowRankDetector:
     def __init__(self, config: DetectorConfig = DetectorConfig()):
         self.config = config
         self.ranks: dict[RankKey, RankState] = {}
-        self._peers: dict[tuple[str, str], dict[RankKey, RankState]] = {}  # (job, stage) -> its ranks
+        self.workers: dict[str, dict[str, WorkerState]] = {}  # job -> worker name -> its state
+        self._windows: dict[str, dict[tuple, tuple]] = {}  # job -> worker's ranks -> (their versions, windows)
         self._saved: dict[RankKey, dict] = {}  # baselines of an earlier run, until the rank's first step
 
     def snapshot(self, key: RankKey) -> dict | None:
@@ -119,31 +145,30 @@ class SlowRankDetector:
         self._saved[key] = saved
 
     def forget(self, key: RankKey) -> None:
-        state = self.ranks.pop(key, None)
-        if state is not None:
-            self._peers.get((key.job_id, state.stage), {}).pop(key, None)
+        if self.ranks.pop(key, None) is not None:
+            self.settle(key.job_id)
 
-    def observe(self, key: RankKey, stage: str, sample: StepSample) -> RankState:
+    def observe(self, key: RankKey, sample: StepSample, stage: str = "",
+                tp_group: tuple[int, ...] | None = None) -> RankState:
         cfg = self.config
         state = self.ranks.get(key)
         start_s = sample.wall_end_s - sample.duration_s
         if state is None or state.pid != sample.pid:  # a new training process may run differently: learn again
-            self.forget(key)
-            state = self.ranks[key] = RankState(stage=stage, pid=sample.pid, warmup_left=cfg.warmup_steps)
+            state = self.ranks[key] = RankState(pid=sample.pid, warmup_left=cfg.warmup_steps)
             state._durations = deque(maxlen=cfg.rebaseline_window)
             saved = self._saved.pop(key, None)
             if saved is not None and saved.get("pid") == sample.pid:  # the agent restarted, training did not
                 state.baseline, state.sigma = saved["baseline"], saved["sigma"]
                 state.compute_baseline, state.rest_baseline = saved["compute_baseline"], saved["rest_baseline"]
                 state.warmup_left = 0
-            self._peers.setdefault((key.job_id, stage), {})[key] = state
-        elif state.stage != stage:  # parallel_group.json appeared or changed
-            self._peers.get((key.job_id, state.stage), {}).pop(key, None)
-            state.stage = stage
-            self._peers.setdefault((key.job_id, stage), {})[key] = state
+        if (stage, tp_group) != (state.stage, state.tp_group):  # parallel_group.json appeared or changed
+            state.stage, state.tp_group = stage, tp_group
+            state.forwards.clear()  # judged among other peers from now on
+            state.version += 1
         if state.last_end_s is not None and start_s - state.last_end_s > cfg.pause_s:
             state.warmup_left = cfg.warmup_steps
         state.last_end_s = max(state.last_end_s or 0.0, sample.wall_end_s)
+        state.last_step = sample.step
         if state.warmup_left > 0:
             state.warmup_left -= 1
             return state
@@ -158,21 +183,20 @@ class SlowRankDetector:
         if io_bound:
             return state
         self._temporal(state, sample)
-        self._spatial(key, state)
+        if sample.forward_s is not None and sample.forward_s > 0:
+            state.forwards.append((sample.step, sample.forward_s))
+            state.version += 1
         return state
 
     def _temporal(self, state: RankState, sample: StepSample) -> None:
         cfg = self.config
         duration, forward = sample.duration_s, sample.forward_s
         rest = duration - forward if forward is not None else None
-        state.eligible_steps += 1
         state._durations.append(duration)
         state._recent.append(duration)
         if forward is not None:
             state._forwards.append(forward)
             state.compute = _median(state._forwards)
-            if len(state._forwards) >= cfg.spatial_window:
-                state.spatial_x = _median(list(state._forwards)[-cfg.spatial_window:])
         if rest is not None:
             state._rests.append(rest)
         if state.baseline is None:
@@ -208,35 +232,76 @@ class SlowRankDetector:
             if not state.slow[TEMPORAL] and abs(candidate / state.baseline - 1) < cfg.rebaseline_max_change:
                 state.baseline, state.sigma = candidate, sigma
 
-    def _spatial(self, key: RankKey, state: RankState) -> None:
+    def settle(self, job_id: str) -> dict[str, WorkerState]:
+        """Group the job's ranks on this node into workers, build their windows and judge each stage's
+        workers against each other; the ranks' `compute` verdicts follow their worker's. After a
+        batch of steps, not after each: a worker's steps come from several ranks' files."""
+        members = {k: s for k, s in self.ranks.items() if k.job_id == job_id}
+        workers: dict[str, WorkerState] = {}
+        known, built = self._windows.get(job_id, {}), {}
+        for stage, group in _by_stage(members).items():
+            for ranks in self._groups(group):
+                name = str(_worker_name(ranks, members))
+                states = [members[k] for k in ranks]
+                worker = WorkerState(job_id, stage, name, tuple(sorted(k.rank for k in ranks)))
+                versions = tuple((id(s), s.version) for s in states)  # a new RankState is a new object
+                cached = known.get(worker.ranks)
+                if cached is None or cached[0] != versions:
+                    cached = (versions, evidence.windows(_compute_series(states)))
+                built[worker.ranks] = cached
+                worker.windows = cached[1]
+                workers[name] = worker
+                for state in states:
+                    state.worker = name
+        for stage in {w.stage for w in workers.values()}:
+            found = evidence.judge({w.name: w.windows for w in workers.values() if w.stage == stage})
+            for name, proof in found.items():
+                workers[name].evidence = proof
+                workers[name].slow = proof.holds
+        if "" in {w.stage for w in workers.values()} and \
+                sum(w.slow for w in workers.values()) >= UNKNOWN_LAYOUT_SHARE * len(workers):
+            for worker in workers.values():
+                worker.slow = False  # as many as a stage would be: an imbalance of the layout, not stragglers
+        for worker in workers.values():
+            for rank in worker.ranks:
+                members[RankKey(job_id, rank)]._set(COMPUTE, worker.slow)
+        if workers:
+            self.workers[job_id], self._windows[job_id] = workers, built
+        else:
+            self.workers.pop(job_id, None)
+            self._windows.pop(job_id, None)
+        return workers
+
+    def _groups(self, ranks: dict[RankKey, RankState]) -> list[list[RankKey]]:
+        """The ranks of one stage as workers: by their TP group where parallel_group.json gives one,
+        else by agreeing per-step compute (among at most group_max_ranks)."""
         cfg = self.config
-        if state.spatial_x is None:
-            return
-        peers = {k: s.spatial_x for k, s in self._peers[(key.job_id, state.stage)].items() if s.spatial_x is not None}
-        if len(peers) < 2:
-            return
-        if len(peers) >= 4:
-            values = sorted(peers.values())
-            middle = _median(values, presorted=True)
-            q25, q75 = _quantile(values, 0.25), _quantile(values, 0.75)
-            spread = max((q75 - q25) / 1.349, cfg.spatial_floor * middle)
-            floor = max(cfg.spatial_ratio * middle, middle + cfg.spatial_z * spread)
-            qualifying = {k for k, x in peers.items() if x >= floor}
-            allowed = max(1, int(cfg.spatial_max_share * len(peers)))
-        else:
-            fastest = min(peers.values())
-            qualifying = {k for k, x in peers.items() if x > 0 and fastest / x <= cfg.small_peers_score}
-            allowed = 1
-        if key in qualifying and len(qualifying) <= allowed:
-            state._spatial_over += 1
-            state._spatial_under = 0
-        else:
-            state._spatial_over = 0
-            state._spatial_under += 1
-        if state._spatial_over >= cfg.spatial_evaluations:
-            state._set(COMPUTE, True)
-        elif state.slow[COMPUTE] and state._spatial_under >= cfg.clear_steps:
-            state._set(COMPUTE, False)
+        known: dict[tuple, list[RankKey]] = {}
+        loose = []
+        for key, state in sorted(ranks.items(), key=lambda kv: kv[0].rank):
+            if state.tp_group:
+                known.setdefault(state.tp_group, []).append(key)
+            else:
+                loose.append(key)
+        parent = {key: key for key in loose}
+
+        def root(key):
+            while parent[key] != key:
+                parent[key] = parent[parent[key]]
+                key = parent[key]
+            return key
+
+        # Every pair is compared, so only among as many ranks as a node has NPUs (and some): more in
+        # one stage of one job on a node is no real layout, and each of them is a worker of its own.
+        recent = {k: dict(list(ranks[k].forwards)[-cfg.group_steps:]) for k in loose}
+        for i, a in enumerate(loose if len(loose) <= cfg.group_max_ranks else ()):
+            for b in loose[i + 1:]:
+                if root(a) != root(b) and _agree(recent[a], recent[b], cfg):
+                    parent[root(b)] = root(a)
+        inferred: dict[RankKey, list[RankKey]] = {}
+        for key in loose:
+            inferred.setdefault(root(key), []).append(key)
+        return [*known.values(), *inferred.values()]
 
     def node_verdict(self, job_id: str) -> dict[str, bool]:
         """Whether this node is slow for the job, by reason."""
@@ -244,7 +309,7 @@ class SlowRankDetector:
         states = [s for k, s in self.ranks.items() if k.job_id == job_id]
         if not states:
             return {NODE_RANKS: False, NODE_HOST: False}
-        slow = sum(any(s.slow.values()) for s in states)
+        slow = sum(s.slow[COMPUTE] or s.slow[IO] for s in states)
         host = all(
             s.slow[TEMPORAL] and s.compute is not None and s.compute_baseline and s.rest_baseline
             and s.compute < cfg.host_compute_ratio * s.compute_baseline
@@ -253,18 +318,35 @@ class SlowRankDetector:
         return {NODE_RANKS: slow >= cfg.node_share * len(states), NODE_HOST: host}
 
 
-def _median(values, presorted: bool = False) -> float:
-    ordered = values if presorted else sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+def _by_stage(ranks: dict[RankKey, RankState]) -> dict[str, dict[RankKey, RankState]]:
+    out: dict[str, dict[RankKey, RankState]] = {}
+    for key, state in ranks.items():
+        out.setdefault(state.stage, {})[key] = state
+    return out
 
 
-def _quantile(ordered: list[float], q: float) -> float:
-    """Linear interpolation between the closest ranks (numpy's default, `quantiles(method="inclusive")`)."""
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+def _worker_name(ranks: list[RankKey], states: dict[RankKey, RankState]) -> int:
+    group = states[ranks[0]].tp_group
+    return min(group) if group else min(k.rank for k in ranks)
+
+
+def _agree(a: dict[int, float], b: dict[int, float], cfg: DetectorConfig) -> bool:
+    common = a.keys() & b.keys()
+    if len(common) < cfg.group_min_common:
+        return False
+    close = sum(abs(a[s] - b[s]) <= cfg.group_tolerance * (a[s] + b[s]) / 2 for s in common)
+    return close >= cfg.group_agree * len(common)
+
+
+def _compute_series(states: list[RankState]) -> list[float]:
+    """The worker's compute per eligible step, oldest first: the median over its ranks at each step."""
+    if len(states) == 1:
+        return [f for _, f in states[0].forwards]
+    by_step: dict[int, list[float]] = {}
+    for state in states:
+        for step, forward in state.forwards:
+            by_step.setdefault(step, []).append(forward)
+    return [_median(by_step[s]) for s in sorted(by_step)[-evidence.SPREAD_STEPS:]]
 
 
 def _median_and_sigma(values: list[float]) -> tuple[float, float]:

@@ -8,7 +8,8 @@ from typing import Callable, Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from agent.steps.reasons import PARSE_ERRORS, SLOW
+from agent.steps.records import RankKey
+from agent.steps.reasons import COMPUTE, IO, PARSE_ERRORS, SLOW
 
 
 class StepCollector:
@@ -16,10 +17,11 @@ class StepCollector:
     of a job carries node, namespace, job_name and job_id (see `StepMetrics.job_labels`). `steps`
     gives the consumer (agent.steps.consumer.StepMetrics), or None while it is not built."""
 
-    def __init__(self, node: str, steps: Callable[[], object | None], clock=time.time):
+    def __init__(self, node: str, steps: Callable[[], object | None], clock=time.time, histograms: bool = True):
         self._node = node
         self._steps = steps
         self._clock = clock
+        self._histograms = histograms  # False: the two histogram families stay empty (what most of a scrape costs)
 
     def describe(self) -> list[Metric]:
         return []
@@ -49,14 +51,25 @@ class StepCollector:
                                          labels=[*rank_labels, "reason"])
         job_rank_labels = ["node", "namespace", "job_name", "job_id", "rank"]  # no pp_stage: known only once read
         records = CounterMetricFamily("training_profiling_records", "Profiling records read", labels=job_rank_labels)
-        lag = GaugeMetricFamily("training_profiling_lag_seconds", "Now minus the newest host record timestamp read",
+        lag = GaugeMetricFamily("training_profiling_lag_seconds",
+                                "How old the oldest record of the agent's last read was (TaskD writes every 5 s)",
                                 labels=job_rank_labels)
+        active = GaugeMetricFamily("training_rank_active",
+                                   "1 while the rank is training: in a step that is not hung, or within 30 s of the "
+                                   "end of one, and not saving a checkpoint; 0 when finished, paused, saving or hung",
+                                   labels=rank_labels)
+        open_step = GaugeMetricFamily("training_step_open_since_timestamp_seconds",
+                                      "Wall time the rank's step in progress began (absent between steps)",
+                                      labels=rank_labels)
+        open_checkpoint = GaugeMetricFamily("training_checkpoint_open_since_timestamp_seconds",
+                                            "Wall time the rank's save_checkpoint in progress began", labels=rank_labels)
         info = GaugeMetricFamily("training_rank_info",
                                  "1 per rank; pod_name is the rank's pod when its job has one pod on this node, "
                                  "else empty (the records do not name the pod)",
                                  labels=[*job_rank_labels, "pod_name"])
         jobs: dict[str, tuple[str, str, str]] = {}  # job_id -> its namespace, name and id as label values
         pods: dict[str, str] = {}  # job_id -> pod_name
+        active_ranks: set = set()
         for key, series in sorted(steps.ranks.items() if steps else (), key=lambda kv: (kv[0].job_id, kv[0].rank)):
             if key.job_id not in jobs:
                 jobs[key.job_id] = tuple(map(_label, (*steps.job_labels(key.job_id), key.job_id)))
@@ -65,9 +78,12 @@ class StepCollector:
             job_rank = [node, namespace, job_name, job_id, str(key.rank)]
             labels = [*job_rank, series.stage]
             info.add_metric([*job_rank, pods[key.job_id]], 1)
-            for clock, histogram in sorted(series.steps.items()):
+            is_active = steps.active(key, now)
+            if is_active:
+                active_ranks.add(key)
+            for clock, histogram in sorted(series.steps.items()) if self._histograms else ():
                 duration.add_metric([*labels, clock], histogram.buckets(), histogram.total)
-            for phase, histogram in sorted(series.phases.items()):
+            for phase, histogram in sorted(series.phases.items()) if self._histograms else ():
                 phases.add_metric([*labels, phase], histogram.buckets(), histogram.total)
             if series.last_duration_s is not None:
                 last.add_metric(labels, series.last_duration_s)
@@ -77,7 +93,7 @@ class StepCollector:
             if state is not None:
                 if state.baseline is not None:
                     baseline.add_metric(labels, state.baseline)
-                if state.ratio is not None:
+                if state.ratio is not None and is_active:  # a stopped job's frozen ratio says nothing
                     ratio.add_metric(labels, state.ratio)
                 if state.compute is not None:
                     compute.add_metric(labels, state.compute)
@@ -85,14 +101,31 @@ class StepCollector:
                 slow.add_metric([*labels, reason], int(state is not None and state.slow[reason]))
                 detections.add_metric([*labels, reason], state.detections[reason] if state is not None else 0)
             records.add_metric(job_rank, series.records)
-            newest = series.assembler.newest_host_ns
-            if newest:
-                lag.add_metric(job_rank, max(0.0, now - newest / 1e9))
+            if series.read_lag_s is not None:
+                lag.add_metric(job_rank, series.read_lag_s)
+            active.add_metric(labels, int(is_active))
+            if series.open_step_s is not None:
+                open_step.add_metric(labels, series.open_step_s)
+            if series.open_checkpoint_s is not None:
+                open_checkpoint.add_metric(labels, series.open_checkpoint_s)
         node_slow = GaugeMetricFamily("training_node_slow", "1 while this node is slow for the job, by reason",
                                       labels=["node", "namespace", "job_name", "job_id", "reason"])
+        worker_families = _WorkerFamilies()
         for job, (namespace, job_name, job_id) in jobs.items():
+            if not any(key.job_id == job for key in active_ranks):
+                continue  # finished, paused or saving here: no verdict on this node
             for reason, value in steps.detector.node_verdict(job).items():
                 node_slow.add_metric([node, namespace, job_name, job_id, reason], int(value))
+        for job, workers in sorted(steps.detector.workers.items() if steps else ()):
+            if job not in jobs:
+                continue
+            namespace, job_name, job_id = jobs[job]
+            for worker in sorted(workers.values(), key=lambda w: int(w.name)):
+                keys = [RankKey(job, rank) for rank in worker.ranks]
+                labels = [node, namespace, job_name, job_id, worker.stage, worker.name]
+                worker_families.add(labels, worker, _ranges(worker.ranks), pods[job],
+                                    any(k in active_ranks for k in keys),
+                                    any(steps.detector.ranks[k].slow[IO] for k in keys if k in steps.detector.ranks))
         # Per node only: some reasons have no job (a directory not named like a job or rank, the node-wide
         # limit), and the log line of each skip names its job and rank.
         errors = CounterMetricFamily("training_profiling_parse_errors",
@@ -101,7 +134,52 @@ class StepCollector:
         for reason, count in sorted(steps.parse_errors.items() if steps else dict.fromkeys(PARSE_ERRORS, 0).items()):
             errors.add_metric([node, reason], count)
         yield from (info, duration, phases, last, completed, total, baseline, ratio, compute, slow, detections,
-                    node_slow, records, lag, errors)
+                    active, open_step, open_checkpoint, node_slow, *worker_families.families(), records, lag, errors)
+
+
+class _WorkerFamilies:
+    """The per-worker families: what the cross-node rules compare. The windows and verdicts are there
+    only while the worker trains (a finished or paused job adds no evidence); its info always."""
+
+    def __init__(self) -> None:
+        labels = ["node", "namespace", "job_name", "job_id", "pp_stage", "worker"]
+        self.info = GaugeMetricFamily(
+            "training_worker_info", "1 per worker (tensor-parallel group) of a job: its ranks on this node and the "
+            "pod holding them (empty when the job has several pods here)", labels=[*labels, "ranks", "pod_name"])
+        self.compute = GaugeMetricFamily(
+            "training_worker_compute_seconds", "Median compute (summed forward) per step over the worker's last "
+            "`window` eligible steps, while it trains", labels=[*labels, "window"])
+        self.stderr = GaugeMetricFamily(
+            "training_worker_compute_stderr_seconds", "Standard error of training_worker_compute_seconds, from the "
+            "worker's robust per-step spread", labels=[*labels, "window"])
+        self.slow = GaugeMetricFamily(
+            "training_worker_slow", "1 while the worker is slow as judged on this node, by reason: compute (against "
+            "its stage peers here), io (its dataloader dominates its steps)", labels=[*labels, "reason"])
+
+    def add(self, labels: list[str], worker, ranks: str, pod: str, active: bool, io: bool) -> None:
+        self.info.add_metric([*labels, ranks, pod], 1)
+        if not active:
+            return
+        for n, window in sorted(worker.windows.items()):
+            self.compute.add_metric([*labels, str(n)], window.median)
+            self.stderr.add_metric([*labels, str(n)], window.stderr)
+        self.slow.add_metric([*labels, COMPUTE], int(worker.slow))
+        self.slow.add_metric([*labels, IO], int(io))
+
+    def families(self) -> tuple[Metric, ...]:
+        return self.info, self.compute, self.stderr, self.slow
+
+
+def _ranges(ranks: tuple[int, ...]) -> str:
+    """`0-3,8-11`: a worker's ranks, short."""
+    parts, start = [], None
+    for index, rank in enumerate(ranks):
+        if start is None:
+            start = rank
+        if index + 1 == len(ranks) or ranks[index + 1] != rank + 1:
+            parts.append(str(start) if start == rank else f"{start}-{rank}")
+            start = None
+    return ",".join(parts)
 
 
 def _label(value: str) -> str:

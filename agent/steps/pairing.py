@@ -214,6 +214,22 @@ class RankAssembler:
         self._phases = [r for r in self._phases if r.source not in cut
                         or (r.end if r.phase == CHECKPOINT else r.start) >= cut[r.source]]
 
+    def in_progress(self) -> tuple[tuple[int, int, int] | None, int | None]:
+        """What is started and not ended, from the host records: the newest step as (pid, number,
+        start ns), and the oldest save_checkpoint's start ns. Ranges whose end was lost stay here
+        until dropped, so the caller checks them against what completed since."""
+        step = checkpoint = None
+        for ident, (is_start, ts, _, _) in self._open[0].items():
+            known = self._names.get(ident) if is_start else None
+            if known is None or known[1] != b"default":
+                continue
+            lowered = text(known[0]).lower()
+            if lowered == b"save_checkpoint":
+                checkpoint = ts if checkpoint is None else min(checkpoint, ts)
+            elif b"step" in lowered and (match := _STEP.search(lowered)) and (step is None or ts > step[2]):
+                step = (int(known[2] or 0), int(match.group(1)), ts)
+        return step, checkpoint
+
     @property
     def held(self) -> int:
         """Entries kept for what is still to come (names, half-seen ranges, steps, phases): what grows."""

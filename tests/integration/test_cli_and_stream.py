@@ -146,7 +146,7 @@ def test_demo_shows_faults_appearing_escalating_and_clearing(tmp_path):
     assert "ClusterD <- recover 020011001 NPU1 SeparateNPU" in out
     assert "DROPPED" not in out
     assert "disk guard: over 1 MiB -> aged " in out  # the simulated job's records
-    assert "slow rank(s) 5 of job demo-job: reason=compute" in out  # its rank 5, 15 % slower from 18 s
+    assert "slow worker 5 (rank(s) 5, stage 1) of job demo-job: computes +1" in out  # rank 5, 15 % slower from 18 s
     assert "slow rank(s) 0-15 of job demo-job: reason=temporal" in out  # every rank waits for it
     assert time.monotonic() - started < 40
     assert (tmp_path / "demo" / "config.yaml").is_file()

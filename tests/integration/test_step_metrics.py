@@ -83,7 +83,8 @@ def test_live_records_become_step_metrics_a_slow_rank_is_flagged_and_a_restart_c
     # its pod labels, namespace among them.)
     assert agent.metric("training_rank_info", job_name=JOB, job_id=JOB, rank=3) == 1
     training = [dict(labels) for name, labels in agent.metrics()
-                if name.startswith("training_") and name != "training_rank_info"]
+                if name.startswith("training_") and name not in ("training_rank_info", "training_worker_info")]
+    assert agent.metric("training_worker_info", job_name=JOB, job_id=JOB, worker=3, ranks=3, pp_stage=1) == 1
     assert all(labels.items() >= NO_KUBE.items() for labels in training if "job_id" in labels)
     assert all("job_id" in labels for labels in training if not labels.keys() <= {"reason"})
 
@@ -95,7 +96,7 @@ def test_live_records_become_step_metrics_a_slow_rank_is_flagged_and_a_restart_c
     assert agent.metric("training_profiling_parse_errors_total", reason="not_json") == 1
     assert agent.metric("training_profiling_parse_errors_total", reason="missing_field") == 1
 
-    # Rank 2's forward 30 % slower: flagged on its third slow step, the others not.
+    # Rank 2's forward 30 % slower: flagged on its fourth slow step (half its window of 8), the others not.
     onset = time.monotonic()
     writer.steps(4, slow_rank=2)
     writer.flush()

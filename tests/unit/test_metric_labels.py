@@ -23,8 +23,10 @@ def test_every_training_family_of_a_job_names_the_job_in_full():
                 if name.startswith("training_")}
     per_node = {"training_profiling_parse_errors_total"}  # see its HELP: not every reason has a job
     assert [name for name, labels in families.items() if name not in per_node and not JOB_LABELS <= labels] == []
+    # Below the job, a family is per rank or per worker (a TP group, named by its first rank).
     assert [name for name, labels in families.items() if "job_id" in labels and name != "training_node_slow"
-            and "rank" not in labels] == []
+            and not labels & {"rank", "worker"}] == []
+    assert all("pp_stage" in labels for name, labels in families.items() if "worker" in labels)
 
 
 def test_unknown_jobs_are_named_by_their_id_a_lone_pod_is_the_ranks_and_parse_errors_start_at_0(tmp_path):

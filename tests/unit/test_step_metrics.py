@@ -14,8 +14,8 @@ from agent.demo.job import DemoJob
 from agent.metrics import make_registry
 from agent.steps.metrics import StepCollector
 from agent.steps.records import RankKey
-from agent.steps.consumer import (GONE_GRACE_S, IDLE_GRACE_S, LOGGED_MAX, MAX_PROCESSES, StepMetrics,
-                                          pipeline_stage)
+from agent.steps.consumer import (ACTIVE_GRACE_S, GONE_GRACE_S, IDLE_GRACE_S, LOGGED_MAX, MAX_PROCESSES, StepMetrics,
+                                  pipeline_stage, tensor_group)
 from agent.steps.pairing import MAX_OPEN
 from agent.steps.cursors import Position
 from testkit.wait import until
@@ -249,3 +249,95 @@ def test_a_rank_gives_back_the_memory_of_a_burst_once_it_is_paired(tmp_path):
         tracemalloc.stop()
     assert sum(s.assembler.held for s in steps.ranks.values()) == 0
     assert per_rank < 64 << 10, per_rank  # ~35 KiB; it kept ~296 KiB: a dict keeps the size it grew to
+
+
+def test_the_tensor_group_is_the_tp_group_listing_the_rank():
+    group = {"a": {"group_name": "tp", "global_ranks": [5, 4, 6, 7]}, "b": {"group_name": "pp", "global_ranks": [4, 20]}}
+    assert tensor_group(group, 6) == (4, 5, 6, 7)
+    assert tensor_group(group, 20) is None  # listed in no tp group: its worker is found from the records
+    assert tensor_group({"a": {"group_name": "tp", "global_ranks": [0, "1"]}}, 0) is None  # malformed: ignored
+
+
+def scrape(steps: StepMetrics, clock: Clock) -> dict[str, float]:
+    """name{labels} -> value of the step families, through the registry as /metrics renders them."""
+    out = {}
+    registry = make_registry()
+    registry.register(StepCollector("n1", lambda: steps, clock))
+    for family in registry.collect():
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in
+                              ("node", "namespace", "job_name", "job_id"))
+            out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
+
+
+def test_a_rank_in_a_step_is_training_and_a_rank_whose_steps_stopped_is_not(tmp_path):
+    # step 1 complete at t = 0..1 s, then step 2 begins at 1 s and its end is not written.
+    clock = Clock(1_800_000_010.0)
+    steps, _ = consumer(tmp_path, clock)
+    base = 1_800_000_000_000_000_000
+    lines = (marker(2, 1, "step 1", ts=base) + marker(4, 1, ts=base + 10**9) + marker(2, 2, "step 2", ts=base + 10**9))
+    steps.on_lines(KEY, "1800000000", 0, lines)
+    steps.on_batch_end()
+    series = steps.ranks[KEY]
+    assert series.open_step_s == 1_800_000_001.0 and series.read_lag_s == 10.0  # its oldest record
+    assert steps.active(KEY, clock())
+    metrics = scrape(steps, clock)
+    assert metrics["training_step_open_since_timestamp_seconds{pp_stage=,rank=0}"] == 1_800_000_001.0
+    assert metrics["training_rank_active{pp_stage=,rank=0}"] == 1
+    assert metrics["training_profiling_lag_seconds{rank=0}"] == 10.0
+    # Hung: in one step for longer than 60 s (no baseline yet): no longer training; the lag stays
+    # what it was when the records were read (nothing new is late).
+    clock.advance(60)
+    assert not steps.active(KEY, clock())
+    assert scrape(steps, clock)["training_profiling_lag_seconds{rank=0}"] == 10.0
+    # Step 2 ends and nothing follows: finished. Training until ACTIVE_GRACE_S after that end.
+    steps.on_lines(KEY, "1800000000", len(lines), marker(4, 2, ts=base + 75 * 10**9))
+    steps.on_batch_end()
+    assert series.open_step_s is None and steps.active(KEY, 1_800_000_075.0 + ACTIVE_GRACE_S)
+    assert not steps.active(KEY, 1_800_000_075.0 + ACTIVE_GRACE_S + 1)
+    assert "training_step_open_since_timestamp_seconds{pp_stage=,rank=0}" not in scrape(steps, clock)
+
+
+def test_a_rank_saving_a_checkpoint_is_not_training_and_a_lost_end_does_not_hold_it(tmp_path):
+    clock = Clock(1_800_000_005.0)
+    steps, _ = consumer(tmp_path, clock)
+    base = 1_800_000_000_000_000_000
+    lines = marker(2, 1, "step 1", ts=base) + marker(2, 2, "save_checkpoint", ts=base + 10**9)
+    steps.on_lines(KEY, "1800000000", 0, lines)
+    steps.on_batch_end()
+    assert steps.ranks[KEY].open_checkpoint_s == 1_800_000_001.0 and not steps.active(KEY, clock())
+    assert scrape(steps, clock)["training_checkpoint_open_since_timestamp_seconds{pp_stage=,rank=0}"] == 1_800_000_001.0
+    # The step ends later, the checkpoint's end was lost: it began before the step ended, so it ended.
+    more = marker(4, 1, ts=base + 3 * 10**9) + marker(2, 3, "step 2", ts=base + 3 * 10**9)
+    steps.on_lines(KEY, "1800000000", len(lines), more)
+    steps.on_batch_end()
+    assert steps.ranks[KEY].open_checkpoint_s is None and steps.active(KEY, clock())
+    # A step whose end was lost is not in progress once a later step of the process is done.
+    later = marker(2, 4, "step 3", ts=base + 4 * 10**9) + marker(4, 4, ts=base + 5 * 10**9)
+    steps.on_lines(KEY, "1800000000", len(lines) + len(more), later)
+    steps.on_batch_end()
+    assert steps.ranks[KEY].open_step_s is None
+
+
+def test_worker_families_are_exported_while_the_worker_trains(tmp_path):
+    clock = Clock(1.8e9)
+    steps, _ = consumer(tmp_path, clock)
+    job = DemoJob(Path("unused"), ranks=4, stages=1, step_s=0.5, slow_rank=0, slow_after_s=1e9, started=1.8e9)
+    for rank in range(4):
+        steps.on_group(RankKey("job", rank), {"tp": {"group_name": "tp", "global_ranks": [rank - rank % 2, rank - rank % 2 + 1]}})
+    text = job.lines_until(1.8e9 + 0.5 * 40)
+    for rank in range(4):
+        steps.on_lines(RankKey("job", rank), "1800000000", 0, text[rank].encode())
+    clock.at(20.5)
+    steps.on_batch_end()
+    metrics = scrape(steps, clock)
+    assert metrics["training_worker_info{pod_name=,pp_stage=,ranks=0-1,worker=0}"] == 1
+    assert metrics["training_worker_info{pod_name=,pp_stage=,ranks=2-3,worker=2}"] == 1
+    assert {k for k in metrics if k.startswith("training_worker_compute_seconds")} == {
+        f"training_worker_compute_seconds{{pp_stage=,window={n},worker={w}}}" for n in (8,) for w in (0, 2)}
+    assert metrics["training_worker_slow{pp_stage=,reason=compute,worker=0}"] == 0
+    clock.advance(ACTIVE_GRACE_S + 1)  # the job stopped: its evidence leaves the scrape, its info stays
+    metrics = scrape(steps, clock)
+    assert not [k for k in metrics if k.startswith(("training_worker_compute", "training_worker_slow"))]
+    assert metrics["training_worker_info{pod_name=,pp_stage=,ranks=0-1,worker=0}"] == 1
