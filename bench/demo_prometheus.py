@@ -107,7 +107,7 @@ class AlertLog:
 
 
 def short(labels: dict) -> str:
-    keep = ("severity", "rank", "reason", "node", "job_name", "id", "fault_level")
+    keep = ("severity", "worker", "ranks", "rank", "reason", "cause", "node", "job_name", "id", "fault_level")
     return " ".join(f"{k}={labels[k]}" for k in keep if k in labels)
 
 

@@ -7,7 +7,9 @@ Run from the repository root (matplotlib needed: `.venv/bin/pip install -e '.[re
 
 Every target of every panel is sent to Prometheus's /api/v1/query_range as Grafana would send it
 (the dashboard's variables set to "All", `$__rate_interval` to `--rate-interval`), and the result is
-drawn by panel type, at the panel's gridPos, under its title: time series as lines, state
+drawn by panel type, at the panel's gridPos, under its title: time series as lines (dashed, wider or
+of a fixed colour where the panel's overrides say so; `percentunit` as percent; with more series than fit
+in the legend, the styled ones and the highest peaks are named), state
 timelines as coloured bands with the panel's value mappings, the heat map as per-bucket counts
 (Grafana's "heatmap" format: cumulative `le` buckets made into per-bucket counts), tables as the
 series' labels at the last point, arranged as the panel's "organize" transformation says.
@@ -89,6 +91,34 @@ def heat_counts(series: list[Series]) -> tuple[list[float], list[float], list[li
         counts.append([max(0.0, c - b) if not math.isnan(c) else 0.0 for c, b in zip(cumulative, below)])
         below = [b if math.isnan(c) else c for c, b in zip(cumulative, below)]
     return bounds, times, counts
+
+
+def overrides(panel: dict, name: str) -> dict:
+    """The properties of the panel's byName and byRegexp overrides that match a series' display name (later win)."""
+    found = {}
+    for override in panel.get("fieldConfig", {}).get("overrides", []):
+        matcher, pattern = override.get("matcher", {}).get("id"), override.get("matcher", {}).get("options", "")
+        if matcher == "byRegexp":
+            # Grafana's "/re/" is a regex searched in the name; a bare pattern must match it whole.
+            wrapped = re.fullmatch(r"/(.*)/", pattern, re.S)
+            hit = re.search(wrapped.group(1), name) if wrapped else re.fullmatch(pattern, name)
+        else:
+            hit = matcher == "byName" and pattern == name
+        if hit:
+            found.update({p["id"]: p.get("value") for p in override.get("properties", [])})
+    return found
+
+
+def labelled(panel: dict, lines: list[tuple[str, list[float], list[float]]]) -> set[int]:
+    """Which lines get a legend entry when not all fit: those the panel styles (reference lines), then the
+    highest peaks, which are what a reader looks for (a slow worker, a late rank)."""
+    if len(lines) <= MAX_LEGEND:
+        return set(range(len(lines)))
+
+    def peak(values):
+        return max((v for v in values if not math.isnan(v)), default=-math.inf)
+    order = sorted(range(len(lines)), key=lambda i: (not overrides(panel, lines[i][0]), -peak(lines[i][2]), i))
+    return set(order[:MAX_LEGEND])
 
 
 def mappings(panel: dict) -> dict[str, tuple[str, str]]:
@@ -175,19 +205,30 @@ class Renderer:
 
     def timeseries(self, ax, panel: dict) -> None:
         lines = self.lines(panel)
+        if not lines:
+            return  # "No data", as Grafana shows it: no threshold lines either
+        named = labelled(panel, lines)
         for i, (name, ts, values) in enumerate(lines):
-            ax.plot(ts, values, lw=1.2, color=PALETTE[i % len(PALETTE)], label=name if i < MAX_LEGEND else None)
+            style = overrides(panel, name)  # the dashed reference lines and the like
+            fixed = style.get("color") or {}
+            dashed = (style.get("custom.lineStyle") or {}).get("fill") == "dash"
+            ax.plot(ts, values, lw=1.2 * style.get("custom.lineWidth", 1), ls="--" if dashed else "-",
+                    color=colour(fixed["fixedColor"]) if fixed.get("mode") == "fixed" else PALETTE[i % len(PALETTE)],
+                    label=name if i in named else None)
         thresholds = panel.get("fieldConfig", {}).get("defaults", {}).get("thresholds", {}).get("steps", [])
         for step in thresholds:
             if step.get("value") is not None and colour(step["color"]) != PANEL:
                 ax.axhline(step["value"], color=colour(step["color"]), lw=0.8, ls="--")
-        if panel.get("fieldConfig", {}).get("defaults", {}).get("unit") in ("s", "ms"):
+        unit = panel.get("fieldConfig", {}).get("defaults", {}).get("unit")
+        if unit in ("s", "ms"):
             ax.set_ylabel("seconds", color=MUTED, fontsize=7)
-        if lines:
-            more = f" (+{len(lines) - MAX_LEGEND})" if len(lines) > MAX_LEGEND else ""
-            shown = ax.legend(loc="upper left", fontsize=6, ncol=min(3, len(lines)), frameon=False, labelcolor=TEXT,
-                              title=f"{len(lines)} series{more}" if more else None, title_fontsize=6)
-            shown.get_title().set_color(MUTED)
+        elif unit == "percentunit":
+            from matplotlib.ticker import PercentFormatter
+            ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=None))
+        more = f" (+{len(lines) - MAX_LEGEND})" if len(lines) > MAX_LEGEND else ""
+        shown = ax.legend(loc="upper left", fontsize=6, ncol=min(3, len(lines)), frameon=False, labelcolor=TEXT,
+                          title=f"{len(lines)} series{more}" if more else None, title_fontsize=6)
+        shown.get_title().set_color(MUTED)
 
     def state_timeline(self, ax, panel: dict) -> None:
         shown = mappings(panel)

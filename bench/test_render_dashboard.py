@@ -14,7 +14,8 @@ import pytest
 
 from bench import render_dashboard
 from bench.demo_prometheus import chart_scrape, seconds
-from bench.render_dashboard import DASHBOARDS, heat_counts, legend, promql, table_rows, targets
+from bench.render_dashboard import (DASHBOARDS, MAX_LEGEND, heat_counts, labelled, legend, overrides, promql,
+                                    table_rows, targets)
 from testkit import REPO
 
 
@@ -50,6 +51,28 @@ def test_legends_tables_and_heat_maps_are_what_grafana_shows():
     bounds, times, counts = heat_counts(series)
     assert bounds == [0.5, 1.0, float("inf")] and times == [100, 115]
     assert counts == [[1, 4], [2, 0], [0, 5]]
+
+
+def test_overrides_apply_to_the_series_they_match():
+    dash = {"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}}
+    panel = {"fieldConfig": {"overrides": [
+        {"matcher": {"id": "byRegexp", "options": "/reference$/"}, "properties": [dash]},
+        {"matcher": {"id": "byRegexp", "options": "s1 .*"}, "properties": [{"id": "custom.lineWidth", "value": 3}]},
+        {"matcher": {"id": "byName", "options": "s1 reference"}, "properties": [{"id": "custom.lineWidth", "value": 2}]},
+    ]}}
+    assert overrides(panel, "s0 reference") == {"custom.lineStyle": dash["value"]}
+    assert overrides(panel, "s1 reference") == {"custom.lineStyle": dash["value"], "custom.lineWidth": 2}
+    assert overrides(panel, "s1 w5") == {"custom.lineWidth": 3}
+    assert overrides(panel, "s0 w1") == {} and overrides({}, "x") == {}
+    assert overrides(panel, "s10 reference x") == {}  # a bare pattern matches the whole name
+
+    nan = float("nan")
+    lines = [(f"s0 w{i}", [0, 1], [1.0, 1.0 + i / 100]) for i in range(MAX_LEGEND + 4)]
+    lines += [("s0 reference", [0, 1], [0.5, 0.5]), ("s0 w99", [0, 1], [nan, nan])]
+    named = {lines[i][0] for i in labelled(panel, lines)}
+    assert len(named) == MAX_LEGEND and "s0 reference" in named and "s0 w99" not in named
+    assert {f"s0 w{i}" for i in range(MAX_LEGEND + 4 - (MAX_LEGEND - 1), MAX_LEGEND + 4)} <= named  # the highest
+    assert labelled(panel, lines[:3]) == {0, 1, 2}
 
 
 def test_the_scrape_interval_is_the_charts():
