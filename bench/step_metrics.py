@@ -32,8 +32,9 @@ Run from the repository root:  .venv/bin/python -m bench.step_metrics       # ~2
   an append period later, so the wait for the append that holds the first slow step is sampled
   (the job's timings are seeded: with equal onsets it would be the same every time). Target
   (the target of the issue): p95 <= max(15 s, 6 x step_time) + 7 s (the 7 s is TaskD's flush;
-  here the flush is 1 s). The detector flags the compute straggler on its third slow step and the
-  temporal slowdown on its fourth, so the latency is mostly the wait for the append that holds them.
+  here the flush is 1 s). The detector flags the compute straggler once half its window of 8 steps
+  is slow (its fourth or fifth slow step) and the temporal slowdown on its fourth, so the latency is
+  mostly the wait for the append that holds them.
   The FD-OL figure (~3-4 min from onset to fault report, and never below a 30 %
   slowdown) is printed as context; it is an estimate from its code, not measured here.
 
