@@ -1,12 +1,17 @@
 """Telemetry from hccn_tool: npu-exporter's network, RoCE and optical families of a chip's RoCE port.
 
 Each read runs the tool (no shell) once per command: `hccn_tool -i <phy id> -<command> -g`. Unlike a driver
-call a run can be cancelled, so every run has a deadline: past it the run's process group is killed and reaped.
-Parsers take the tool's text and tolerate spacing and case; lines they do not know are ignored.
+call a run can be cancelled, so every run has a deadline. Each run is its own process group, killed when the tool
+exits (whatever it left behind goes too), past the deadline, when its output passes OUTPUT_CAP, on an error, and
+for the runs in flight when the source closes or the interpreter exits; its leader is always reaped.
+Parsers take the tool's text and tolerate spacing and case; lines they do not know are ignored. They are linear in
+the text (partition and split, regexes that cannot backtrack): the text comes from outside, and a regex holds the
+GIL, so a super-linear one on a long line would freeze the whole agent.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -15,17 +20,22 @@ import signal
 import subprocess
 import threading
 import time
+import weakref
+from typing import NamedTuple
 
 from agent.model import DeviceInfo
 from agent.telemetry.source import Sample
 
 log = logging.getLogger(__name__)
 
-OUTPUT_CAP = 1 << 20  # npu-exporter keeps at most 1 MiB of a run's stdout
+OUTPUT_CAP = 1 << 20  # npu-exporter keeps at most 1 MiB of a run's stdout; past it the run is stopped, not drained
+LINE_CAP = 1024  # characters; the tool's longest line is under 100: a longer one is not its format and is skipped
+EXIT_POLL_S = 0.01  # without pidfd_open (Linux < 5.3, or a seccomp filter): how often a run's exit is looked for
+REAP_S = 1.0  # how long killed leftovers orphaned to the agent get to die and be reaped before they are left
 LINK_FAILED = -1.0  # npu-exporter's link status when the run failed
 NETWORK_COMMANDS = ("link", "bandwidth", "speed", "link_stat")
 READS = ("network", "roce", "optical")
-NOT_SUPPORTED = re.compile(r"not\s+support", re.IGNORECASE)
+NOT_SUPPORTED = re.compile(r"not\s++support", re.IGNORECASE)
 
 # (family, -stat key); a key the tool does not print reads 0, as in npu-exporter
 STAT_FAMILIES = (
@@ -45,11 +55,12 @@ OPTICAL_FAMILIES = (
     ("npu_chip_optical_temp", "temperature"),
 )
 
-_LINK = re.compile(r"link\s+status\s*:\s*(\S+)", re.IGNORECASE)
-_BANDWIDTH = re.compile(r"\b([TR]X)\s*:\s*(\S+)", re.IGNORECASE)
-_SPEED = re.compile(r"speed\s*:\s*(\S+)", re.IGNORECASE)
-_LINK_UP = re.compile(r"link\s+up\s+count\s*:\s*(\S+)", re.IGNORECASE)
-_KEY_VALUE = re.compile(r"^\s*([^:]*?)\s*:\s*(.*?)\s*$")
+# Possessive quantifiers: what follows each one cannot match what it took, so giving back would never help; they
+# give back nothing and an attempt is linear in the whitespace it crosses (attempts start only at a keyword).
+_LINK = re.compile(r"link\s++status\s*+:\s*+(\S++)", re.IGNORECASE)
+_BANDWIDTH = re.compile(r"\b([TR]X)\s*+:\s*+(\S++)", re.IGNORECASE)
+_SPEED = re.compile(r"speed\s*+:\s*+(\S++)", re.IGNORECASE)
+_LINK_UP = re.compile(r"link\s++up\s++count\s*+:\s*+(\S++)", re.IGNORECASE)
 
 
 class Garbled(ValueError):
@@ -66,10 +77,11 @@ def _number(text: str, what: str) -> float:
 def _key_values(text: str) -> dict[str, str]:
     """`key : value` lines, keys lower case with inner spaces as underscores; lines without a value are skipped."""
     pairs = {}
-    for line in text.splitlines():
-        found = _KEY_VALUE.match(line)
-        if found and found[1] and found[2]:
-            pairs[re.sub(r"\s+", "_", found[1]).lower()] = found[2]
+    for line in text.splitlines():  # partition and split, not a regex: `\s*(.*?)\s*:` backtracked cubically
+        key, colon, value = line.partition(":")
+        key, value = "_".join(key.split()).lower(), value.strip()
+        if colon and key and value:
+            pairs[key] = value
     return pairs
 
 
@@ -117,7 +129,7 @@ def parse_stat(text: str) -> dict[str, float | None]:
     for key, value in _key_values(text).items():
         try:
             counters[key] = float(int(value))
-        except ValueError:
+        except (ValueError, OverflowError):  # OverflowError: more digits than a float holds
             counters[key] = None
     return counters
 
@@ -132,7 +144,8 @@ def optical_value(text: str) -> float | None:
     npu-exporter turns into -1 and then leaves out."""
     if text.upper().startswith("NA") or NOT_SUPPORTED.search(text):
         return None
-    return _number(text.split()[0], "optical")
+    words = text.split()
+    return _number(words[0] if words else text, "optical")  # blank: Garbled, not IndexError
 
 
 class HccnTool:
@@ -149,7 +162,11 @@ class HccnTool:
         self._unsupported: set[tuple[int, str]] = set()
         self._logged: set[tuple[int, str]] = set()  # (phy, command) whose garbled output was logged
         self._failing: set[tuple[int, str]] = set()  # (phy, command) whose last run failed: logged once
+        self._oversized: set[tuple[int, str, str]] = set()  # (phy, command, what) whose cut output was logged
         self.garbled = 0  # values the tool printed that did not parse (their families were left out)
+        self.long_lines = 0  # lines longer than LINE_CAP, skipped
+        self.cut_outputs = 0  # runs that printed more than OUTPUT_CAP: the rest was not read
+        self._runs = Runs()
         self._available = os.path.isfile(path) and os.access(path, os.X_OK)
         if not self._available:
             log.warning("hccn_tool is missing or not executable; the network, roce and optical groups are off",
@@ -181,6 +198,10 @@ class HccnTool:
     def unsupported(self) -> list[tuple[int, str]]:
         with self._lock:
             return sorted((phy, f"hccn_tool -{command}") for phy, command in self._unsupported)
+
+    def close(self) -> None:
+        """Kill the runs in flight (their threads reap them) and start no more; it does not block."""
+        self._runs.close()
 
     # ---- reads -----------------------------------------------------------------------------------
 
@@ -267,19 +288,26 @@ class HccnTool:
     # ---- runs ------------------------------------------------------------------------------------
 
     def _output(self, phy: int, command: str) -> str | None:
-        """The stdout of one successful run (at most OUTPUT_CAP bytes); None when the command is unsupported
-        for this chip, could not start, exited non-zero or outlived the timeout."""
+        """The stdout of one successful run (its lines within OUTPUT_CAP bytes and LINE_CAP characters); None
+        when the command is unsupported for this chip, could not start, exited non-zero or outlived the timeout."""
         if self._is_unsupported(phy, command):
             return None
         argv = [self._path, "-i", str(phy), f"-{command}", "-g"]
         try:
-            rc, out = run_capped(argv, self._timeout_s, self._env)
+            rc, out, cut = run_capped(argv, self._timeout_s, self._env, self._runs)
+        except Closed:
+            return None
         except OSError as error:
             return self._failed(phy, command, f"cannot run it: {error}")
-        if rc is None:
+        if self._runs.closed:  # killed by close(): not the tool's failure
+            return None
+        if cut:  # stopped by us, so rc None is no failure: the first OUTPUT_CAP bytes are its output
+            self._oversized_output(phy, command)
+            out = out[:out.rfind(b"\n") + 1]  # the line the cap cut through would read as another value
+        elif rc is None:
             return self._failed(phy, command, f"killed after {self._timeout_s} s")
-        text = out.decode(errors="replace")
-        if rc != 0:
+        text = self._long_lines_skipped(phy, command, out.decode(errors="replace"))
+        if rc is not None and rc != 0:
             if NOT_SUPPORTED.search(text):
                 self._set_unsupported(phy, command)
                 return None
@@ -291,6 +319,38 @@ class HccnTool:
             log.info("hccn_tool works again", extra={"device": phy, "command": f"-{command}"})
         return text
 
+    def _oversized_output(self, phy: int, command: str) -> None:
+        with self._lock:
+            self.cut_outputs += 1
+            first = self._first_oversized(phy, command, "output")
+        if first:
+            log.warning("hccn_tool printed more than the output cap; reading only the lines before it",
+                        extra={"device": phy, "command": f"-{command}", "cap_bytes": OUTPUT_CAP})
+
+    def _long_lines_skipped(self, phy: int, command: str, text: str) -> str:
+        """text without its lines longer than LINE_CAP, counted and logged once per chip and command."""
+        if len(text) <= LINE_CAP:
+            return text
+        lines = text.splitlines()
+        long = [number for number, line in enumerate(lines, start=1) if len(line) > LINE_CAP]
+        if not long:
+            return text
+        with self._lock:
+            self.long_lines += len(long)
+            first = self._first_oversized(phy, command, "line")
+        if first:
+            log.warning("hccn_tool printed lines longer than the line cap; skipping them", extra={
+                "device": phy, "command": f"-{command}", "lines": len(long), "first_line": long[0],
+                "longest": max(len(lines[number - 1]) for number in long), "cap_chars": LINE_CAP})
+        skipped = set(long)
+        return "\n".join(line for number, line in enumerate(lines, start=1) if number not in skipped)
+
+    def _first_oversized(self, phy: int, command: str, what: str) -> bool:
+        """Under the lock: True the first time (phy, command) printed an oversized `what`."""
+        first = (phy, command, what) not in self._oversized
+        self._oversized.add((phy, command, what))
+        return first
+
     def _failed(self, phy: int, command: str, why: str) -> None:
         """Log a failing command once until it works again: a stuck port fails every minute."""
         with self._lock:
@@ -300,38 +360,152 @@ class HccnTool:
             "device": phy, "command": f"-{command}", "why": why})
 
 
-def run_capped(argv: list[str], timeout_s: float, env: dict[str, str]) -> tuple[int | None, bytes]:
-    """Run argv without a shell; (exit code, first OUTPUT_CAP bytes of stdout), exit code None when it did not
-    finish within timeout_s. The child runs in its own process group so that a timeout kills whatever it
-    started as well (a grandchild holding stdout open would otherwise keep the pipe alive); it is always
-    reaped."""
+class Closed(Exception):
+    """The source is closing (or the interpreter exiting): no run starts."""
+
+
+class Run(NamedTuple):
+    rc: int | None  # the tool's exit code; None when it was stopped before it exited (deadline, OUTPUT_CAP)
+    out: bytes  # the first OUTPUT_CAP bytes of its stdout
+    cut: bool  # it printed more than OUTPUT_CAP: the rest was not read
+
+
+class Runs:
+    """The process groups of the runs in flight, so that close() can kill them. A group is killed only while its
+    leader is unreaped (listed here): a reaped leader's pid, which is the group's id, may belong to another process."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._groups: set[int] = set()
+        self._closed = False
+        _EVERY_RUNS.add(self)
+
+    def start(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        if self._closed:
+            raise Closed()
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                env=env, start_new_session=True, close_fds=True)
+        with self._lock:
+            if not self._closed:
+                self._groups.add(proc.pid)
+                return proc
+        _kill_group(proc.pid)  # closed while it started
+        proc.stdout.close()
+        proc.wait()
+        _reap_orphans(proc.pid)
+        raise Closed()
+
+    def kill(self, pgid: int) -> None:
+        with self._lock:
+            if pgid in self._groups:
+                _kill_group(pgid)
+
+    def end(self, pgid: int) -> None:
+        """Kill the group and forget it: its leader is reaped next."""
+        with self._lock:
+            self._groups.discard(pgid)
+            _kill_group(pgid)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for pgid in self._groups:
+                _kill_group(pgid)
+
+
+_EVERY_RUNS: weakref.WeakSet[Runs] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_every_runs() -> None:
+    """At exit the runs' threads (daemons) are abandoned: their runs, in sessions of their own, would outlive us."""
+    for runs in list(_EVERY_RUNS):
+        runs.close()
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # none left, or none we may signal (a setuid leftover)
+        pass
+
+
+def _has_exited(pid: int) -> bool:
+    """Whether the child has exited, leaving it unreaped (WNOWAIT), so that its pid still names its group."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def _reap_orphans(pgid: int) -> None:
+    """Reap the group's killed leftovers that were orphaned to us: the agent is PID 1 of its container, so it
+    inherits them, and each would stay a zombie, counted against the pod's PID limit. Elsewhere they are not
+    ours (ECHILD at once). Called after the leader is reaped: the group's id stays taken while it has members."""
+    deadline = time.monotonic() + REAP_S
+    pause = 0.001
+    while True:
+        try:
+            if os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG) is not None:
+                continue
+        except ChildProcessError:
+            return  # none of ours left in it
+        if time.monotonic() >= deadline:
+            return  # one that did not die of SIGKILL (stuck in the kernel, or not ours to kill): left as it is
+        time.sleep(pause)  # SIGKILL was sent just now: they are dying
+        pause = min(2 * pause, 0.05)
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # Linux < 5.3 (or a seccomp filter): the caller polls _has_exited instead
+        return None
+
+
+def run_capped(argv: list[str], timeout_s: float, env: dict[str, str], runs: Runs) -> Run:
+    """Run argv without a shell, in its own process group: its stdout up to OUTPUT_CAP bytes, and its exit code
+    unless it was stopped first (at the deadline, or as soon as it printed more than OUTPUT_CAP: reading on
+    would cost a thread for the rest of the deadline). When the tool exits its group is killed at once, so
+    nothing it started outlives the run, and a leftover holding stdout open cannot keep the run waiting. On
+    every way out the group is killed and the leader reaped (and the rest of the group where it was orphaned to
+    us); the leader must die for that (a run stuck in the kernel keeps this thread, as a stuck driver call does)."""
     deadline = time.monotonic() + timeout_s
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            env=env, start_new_session=True, close_fds=True)
+    proc = runs.start(argv, env)
+    pid, fd = proc.pid, proc.stdout.fileno()
+    pidfd = _pidfd(pid)
     kept: list[bytes] = []
     size = 0
-    finished = False
-    with proc, selectors.DefaultSelector() as selector:
-        fd = proc.stdout.fileno()
-        selector.register(fd, selectors.EVENT_READ)
-        while (left := deadline - time.monotonic()) > 0 and selector.select(left):
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                finished = True
-                break
-            if size < OUTPUT_CAP:  # past the cap the output is drained and dropped
-                kept.append(chunk[:OUTPUT_CAP - size])
-                size += len(kept[-1])
-        if finished:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                finished = False
-        if not finished:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-            return None, b"".join(kept)
-    return proc.returncode, b"".join(kept)
+    exited = cut = eof = False
+    try:
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            if pidfd is not None:
+                selector.register(pidfd, selectors.EVENT_READ)
+            while not (eof and exited) and (left := deadline - time.monotonic()) > 0:
+                ready = {key.fd for key, _ in selector.select(left if pidfd is not None else min(left, EXIT_POLL_S))}
+                if fd in ready:
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
+                        eof = True
+                        selector.unregister(fd)
+                    kept.append(chunk)
+                    size += len(chunk)
+                    if size > OUTPUT_CAP:
+                        cut = True
+                        break
+                if not exited and (pidfd is None or pidfd in ready) and _has_exited(pid):
+                    exited = True
+                    if pidfd is not None:
+                        selector.unregister(pidfd)
+                    runs.kill(pid)  # what it left behind goes now; what it printed is in the pipe
+        exited = exited or _has_exited(pid)
+    finally:
+        runs.end(pid)
+        proc.stdout.close()
+        if pidfd is not None:
+            os.close(pidfd)
+        proc.wait()
+        _reap_orphans(pid)
+    return Run(proc.returncode if exited else None, b"".join(kept)[:OUTPUT_CAP], cut)

@@ -6,8 +6,10 @@
     fake.set_stat(1, roce_rx_all_pkt_num=7)     # one counter of chip 1
     fake.fail(0, "speed", rc=1)                 # non-zero exit
     fake.hang(1, "optical", 30)                 # blocks 30 s before answering
+    fake.leave_behind(0, "stat", 1000)          # each run leaves a `sleep 1000` behind in its process group
 
-Layout the script reads: <dir>/<phy>/<command> (stdout), <command>.rc (exit code), <command>.sleep (seconds);
+Layout the script reads: <dir>/<phy>/<command> (stdout), <command>.rc (exit code), <command>.sleep (seconds),
+<command>.orphan (seconds of a process left behind, "stdout" if it holds stdout open);
 <dir> is <root>/chips, or $FAKE_HCCN_DIR when whoever runs the script passes it (HccnTool passes only PATH and
 LD_LIBRARY_PATH). A chip without a directory gets exit code 1.
 """
@@ -114,9 +116,20 @@ class FakeHccn:
         text = path.read_text().strip() if path.exists() else ""
         return int(text) if text else None
 
+    def leave_behind(self, phy: int, command: str, seconds: float, holds_stdout: bool = False) -> None:
+        """Each run starts `sleep seconds` in the background and exits without waiting for it, as a tool that
+        forks a helper does: a grandchild in the run's process group, holding the run's stdout open or not."""
+        self._file(phy, command, ".orphan").write_text(f"{seconds}{' stdout' if holds_stdout else ''}\n")
+
+    def left_behind(self, phy: int, command: str) -> list[tuple[int, int]]:
+        """(process group, pid) of every process a run left behind so far."""
+        path = self._file(phy, command, ".orphans")
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [(int(group), int(pid)) for group, pid in (line.split() for line in lines if line.strip())]
+
     def clear(self, phy: int, command: str) -> None:
-        """Undo fail() and hang() (the output stays)."""
-        for suffix in (".rc", ".sleep", ".pid"):
+        """Undo fail(), hang() and leave_behind() (the output stays, and so does the record of left_behind())."""
+        for suffix in (".rc", ".sleep", ".pid", ".orphan"):
             self._file(phy, command, suffix).unlink(missing_ok=True)
 
     def _file(self, phy: int, command: str, suffix: str = "") -> Path:
