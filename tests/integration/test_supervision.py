@@ -20,8 +20,10 @@ AGENT_DIR = str(Path(agent.__file__).parent)
 # Coroutines the agent runs per request or connection; each ends with what it serves.
 PER_REQUEST = {
     "HttpEndpoint._serve",  # one HTTP connection
+    "HttpEndpoint._render",  # one /metrics rendering, shared by the requests that arrive meanwhile
     "TaskdProxy._read_acks",  # one worker stream's acknowledgements
     "ManagerLink._deliver",  # one message on its way to a manager
+    "ManagerLink._listen",  # one manager connection's down-stream (its link's supervised task awaits it)
     "DeviceMonitor._poll", "DeviceMonitor._read",  # one read of one device (awaited, or spawned with its errors logged)
     "FaultLog._append_in_order", "FaultLog._commit_in_order",  # one write of the fault log, awaited (shielded)
 }
