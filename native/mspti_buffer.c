@@ -17,7 +17,12 @@
  * All state the callbacks touch is process-global (MSPTI has one set of callbacks per process), so
  * callbacks that arrive after close(), or after the Python object is gone at interpreter exit, find
  * a "closed" flag and return without touching freed memory.  Buffers still held by MSPTI at close
- * are never freed (the pool is leaked instead), so MSPTI cannot write into freed memory either. */
+ * are never freed (the pool is leaked instead), so MSPTI cannot write into freed memory either.
+ *
+ * A forked child inherits all of it, but the records in it are the parent's to write: in the
+ * child (pthread_atfork) the callbacks do nothing, and a Collector opened by another process is
+ * inert -- nothing pending, nothing drained, written, flushed or closed, no lock taken (the
+ * parent's threads may have held one at the fork).  The child may open a Collector of its own. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -28,6 +33,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/types.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -95,6 +101,7 @@ static struct {
     _Atomic uint64_t tail;   /* bytes and lines ever consumed */
 
     _Atomic uint64_t counters[C_COUNT];
+    uint64_t *owner_final; /* the open Collector's final_counters: filled in a forked child */
 } G = {
     .closed = 1,
     .pool_mu = PTHREAD_MUTEX_INITIALIZER,
@@ -662,7 +669,30 @@ typedef struct {
     PyObject *leftover;       /* ring contents at close (bytes), handed out by the next drains */
     Py_ssize_t leftover_off;  /* how much of it is consumed */
     uint64_t final_counters[C_COUNT];
+    pid_t pid;                /* the process that opened it; inert in any other (a forked child) */
 } Collector;
+
+/* Opened by another process: this is a fork of it, and the state is that process's. */
+static inline int foreign(const Collector *self) { return self->pid != 0 && self->pid != getpid(); }
+
+static PyObject *foreign_error(const Collector *self) {
+    return PyErr_Format(PyExc_ValueError, "Collector belongs to process %ld, not to this fork of it", (long)self->pid);
+}
+
+/* pthread_atfork, in the child: only the forking thread is left, so the MSPTI threads and the
+ * worker's writer are gone, and any lock they held stays held.  The inherited state is the
+ * parent's: callbacks are turned away, the Collector that had it opened keeps its counters and
+ * goes inert (foreign()), and the state may be opened afresh. */
+static void after_fork_in_child(void) {
+    atomic_store(&G.closed, 1);
+    atomic_store(&G.inflight, 0);
+    if (G.owner_final != NULL)
+        for (int i = 0; i < C_COUNT; i++) G.owner_final[i] = atomic_load(&G.counters[i]);
+    G.owner_final = NULL;
+    G.open = 0;
+    pthread_mutex_init(&G.pool_mu, NULL);
+    pthread_mutex_init(&G.prod_mu, NULL);
+}
 
 /* The complete lines waiting: a, then b (the part after the ring's wrap), `lines` of them.
  * self->mu held. */
@@ -830,7 +860,7 @@ static void sleep_ms(long ms) {
  * without the GIL (they may call our callbacks synchronously, which never need it); without it
  * (dealloc) no other thread can hold self->mu. */
 static int do_close(Collector *self, int release_gil) {
-    if (!self->owner) return 0;
+    if (!self->owner || foreign(self)) return 0;
     PyThreadState *ts = release_gil ? PyEval_SaveThread() : NULL;
     pthread_mutex_lock(&self->switch_mu);
     if (self->closing) { /* another thread is closing it */
@@ -879,6 +909,7 @@ static int do_close(Collector *self, int release_gil) {
     } /* else: a callback is stuck somewhere; leak everything (pointers stay valid) rather than risk a
        * use after free */
     G.open = 0;
+    G.owner_final = NULL;
     self->owner = 0;
     pthread_mutex_unlock(&self->mu);
     return 0;
@@ -993,7 +1024,9 @@ static int collector_open(Collector *self, const char *lib_path, Py_ssize_t buff
     atomic_store(&G.tail, 0);
     for (int i = 0; i < C_COUNT; i++) atomic_store(&G.counters[i], 0);
     G.open = 1;
+    G.owner_final = self->final_counters;
     self->owner = 1;
+    self->pid = getpid();
     self->subscribed = 0;
     self->closing = 0;
     self->handle = NULL;
@@ -1014,6 +1047,7 @@ static PyObject *Collector_set_switch(Collector *self, PyObject *args, PyObject 
     static char *kwlist[] = {"default_on", "comm_on", NULL};
     int default_on, comm_on;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "pp:set_switch", kwlist, &default_on, &comm_on)) return NULL;
+    if (foreign(self)) return foreign_error(self);
     if (!self->owner) {
         PyErr_SetString(PyExc_ValueError, "Collector is closed");
         return NULL;
@@ -1033,6 +1067,7 @@ static PyObject *Collector_set_switch(Collector *self, PyObject *args, PyObject 
 }
 
 static PyObject *Collector_drain(Collector *self, PyObject *Py_UNUSED(ignored)) {
+    if (foreign(self)) return PyBytes_FromStringAndSize(NULL, 0);
     lock_consumer(self);
     PyObject *out = take_all(self);
     pthread_mutex_unlock(&self->mu);
@@ -1048,6 +1083,7 @@ static int parse_max_bytes(PyObject *args, PyObject *kwds, const char *format, P
 static PyObject *Collector_pending(Collector *self, PyObject *args, PyObject *kwds) {
     Py_ssize_t max_bytes;
     if (!parse_max_bytes(args, kwds, "|n:pending", &max_bytes)) return NULL;
+    if (foreign(self)) return PyLong_FromLong(0);
     lock_consumer(self);
     size_t n = whole_lines(waiting(self), max_bytes);
     pthread_mutex_unlock(&self->mu);
@@ -1057,6 +1093,7 @@ static PyObject *Collector_pending(Collector *self, PyObject *args, PyObject *kw
 static PyObject *Collector_discard(Collector *self, PyObject *args, PyObject *kwds) {
     Py_ssize_t max_bytes;
     if (!parse_max_bytes(args, kwds, "|n:discard", &max_bytes)) return NULL;
+    if (foreign(self)) return Py_BuildValue("(nn)", (Py_ssize_t)0, (Py_ssize_t)0);
     lock_consumer(self);
     waiting_lines v = waiting(self);
     size_t n = whole_lines(v, max_bytes), lines = lines_in(v, n);
@@ -1065,15 +1102,47 @@ static PyObject *Collector_discard(Collector *self, PyObject *args, PyObject *kw
     return Py_BuildValue("(nn)", (Py_ssize_t)n, (Py_ssize_t)lines);
 }
 
-/* OSError(errno) carrying what the failed drain_to took: `written` of its `size` bytes (`lines`
- * lines) reached the file before the error; all of them are gone from the collector. */
-static PyObject *drain_error(int err, size_t written, size_t size, size_t lines) {
+/* Just past the newline that ends the line holding byte `from` of v (whose first n bytes are whole lines). */
+static size_t line_end(waiting_lines v, size_t from, size_t n) {
+    if (from < v.na) {
+        const uint8_t *nl = memchr(v.a + from, '\n', v.na - from);
+        if (nl != NULL) return (size_t)(nl - v.a) + 1;
+        from = v.na;
+    }
+    const uint8_t *nl = memchr(v.b + (from - v.na), '\n', n - from);
+    return nl != NULL ? v.na + (size_t)(nl - v.b) + 1 : n;
+}
+
+/* Bytes [from, to) of v to dst. */
+static void copy_range(waiting_lines v, size_t from, size_t to, uint8_t *dst) {
+    if (from < v.na) {
+        size_t k = (to < v.na ? to : v.na) - from;
+        memcpy(dst, v.a + from, k);
+        dst += k;
+        from += k;
+    }
+    if (to > from) memcpy(dst, v.b + (from - v.na), to - from);
+}
+
+/* What a failed drain_to took: all of it is gone from the collector. */
+typedef struct {
+    size_t written;     /* bytes that reached the file before the error */
+    size_t size, lines; /* the batch */
+    size_t whole, whole_lines; /* its complete lines within `written` */
+    uint8_t *rest;      /* malloc'd: the bytes that complete the line cut at `written` (NULL: none) */
+    size_t rest_len;
+} drain_failure;
+
+/* OSError(errno) carrying a drain_failure as the attributes written, size, lines, whole,
+ * whole_lines and rest (bytes; empty when the write stopped at a line's end). */
+static PyObject *drain_error(int err, const drain_failure *f) {
     PyObject *exc = PyObject_CallFunction(PyExc_OSError, "is", err, strerror(err));
     if (exc == NULL) return NULL;
-    const char *names[] = {"written", "size", "lines"};
-    size_t values[] = {written, size, lines};
-    for (int i = 0; i < 3; i++) {
-        PyObject *v = PyLong_FromSize_t(values[i]);
+    const char *names[] = {"written", "size", "lines", "whole", "whole_lines", "rest"};
+    size_t values[] = {f->written, f->size, f->lines, f->whole, f->whole_lines};
+    for (int i = 0; i < 6; i++) {
+        PyObject *v = i < 5 ? PyLong_FromSize_t(values[i])
+                            : PyBytes_FromStringAndSize((const char *)f->rest, f->rest != NULL ? (Py_ssize_t)f->rest_len : 0);
         if (v == NULL || PyObject_SetAttrString(exc, names[i], v) < 0) {
             Py_XDECREF(v);
             Py_DECREF(exc);
@@ -1093,23 +1162,42 @@ static PyObject *Collector_drain_to(Collector *self, PyObject *args, PyObject *k
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|n:drain_to", kwlist, &file, &max_bytes)) return NULL;
     int fd = PyObject_AsFileDescriptor(file);
     if (fd < 0) return NULL;
-    size_t n, lines, written;
+    if (foreign(self)) return Py_BuildValue("(nn)", (Py_ssize_t)0, (Py_ssize_t)0);
+    size_t n, lines;
+    drain_failure f = {0};
     int err;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
     waiting_lines v = waiting(self);
     n = whole_lines(v, max_bytes);
     lines = lines_in(v, n);
-    err = write_lines(fd, v, n, &written);
+    err = write_lines(fd, v, n, &f.written);
+    if (err != 0) {
+        /* cut short: the caller keeps the whole lines and truncates the cut one away, or completes
+         * it with `rest` -- copied now, as the ring reuses the space once it is consumed */
+        f.size = n;
+        f.lines = lines;
+        f.whole = whole_lines(v, (Py_ssize_t)f.written);
+        f.whole_lines = lines_in(v, f.whole);
+        if (f.written > f.whole) {
+            f.rest_len = line_end(v, f.written, n) - f.written;
+            f.rest = malloc(f.rest_len);
+            if (f.rest != NULL) copy_range(v, f.written, f.written + f.rest_len, f.rest);
+        }
+    }
     consume(self, n, lines);
     pthread_mutex_unlock(&self->mu);
     Py_END_ALLOW_THREADS
-    if (err != 0) return drain_error(err, written, n, lines);
+    if (err != 0) {
+        PyObject *r = drain_error(err, &f);
+        free(f.rest);
+        return r;
+    }
     return Py_BuildValue("(nn)", (Py_ssize_t)n, (Py_ssize_t)lines);
 }
 
 static PyObject *Collector_flush(Collector *self, PyObject *Py_UNUSED(ignored)) {
-    if (self->owner) {
+    if (self->owner && !foreign(self)) {
         Py_BEGIN_ALLOW_THREADS
         G.api.flush_all(1);
         Py_END_ALLOW_THREADS
@@ -1126,7 +1214,7 @@ static PyObject *Collector_counters(Collector *self, PyObject *Py_UNUSED(ignored
     PyObject *d = PyDict_New();
     if (d == NULL) return NULL;
     for (int i = 0; i < C_COUNT; i++) {
-        uint64_t v = self->owner ? atomic_load(&G.counters[i]) : self->final_counters[i];
+        uint64_t v = self->owner && !foreign(self) ? atomic_load(&G.counters[i]) : self->final_counters[i];
         PyObject *n = PyLong_FromUnsignedLongLong(v);
         if (n == NULL || PyDict_SetItemString(d, counter_names[i], n) < 0) {
             Py_XDECREF(n);
@@ -1150,10 +1238,13 @@ static PyObject *Collector_exit(Collector *self, PyObject *Py_UNUSED(args)) {
 
 static void Collector_dealloc(Collector *self) {
     /* May run at interpreter exit while MSPTI threads are still delivering buffers. */
+    int inherited = foreign(self); /* in a fork: its locks may be held for good, so left alone */
     do_close(self, 0);
     Py_CLEAR(self->leftover);
-    pthread_mutex_destroy(&self->mu);
-    pthread_mutex_destroy(&self->switch_mu);
+    if (!inherited) {
+        pthread_mutex_destroy(&self->mu);
+        pthread_mutex_destroy(&self->switch_mu);
+    }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -1166,7 +1257,8 @@ static PyMethodDef Collector_methods[] = {
      "drain_to(fd, max_bytes=-1) -> (bytes, lines): write(2) the complete lines waiting (as many whole\n"
      "lines as fit in max_bytes; all when negative) straight from the collector to fd, without the GIL.\n"
      "The lines taken are consumed either way: on an error OSError(errno) is raised with `written`\n"
-     "(bytes that reached fd), `size` and `lines` (what was taken)."},
+     "(bytes that reached fd), `size` and `lines` (what was taken), `whole` and `whole_lines` (the\n"
+     "complete lines within `written`) and `rest` (bytes completing the line cut at `written`, or b'')."},
     {"pending", (PyCFunction)(void (*)(void))Collector_pending, METH_VARARGS | METH_KEYWORDS,
      "pending(max_bytes=-1) -> int: bytes of the complete lines waiting (of those that fit in max_bytes)."},
     {"discard", (PyCFunction)(void (*)(void))Collector_discard, METH_VARARGS | METH_KEYWORDS,
@@ -1200,6 +1292,11 @@ static struct PyModuleDef native_module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
+    static int atfork_registered;
+    if (!atfork_registered) {
+        if (pthread_atfork(NULL, NULL, after_fork_in_child) != 0) return PyErr_NoMemory();
+        atfork_registered = 1;
+    }
     if (PyType_Ready(&CollectorType) < 0) return NULL;
     PyObject *m = PyModule_Create(&native_module);
     if (m == NULL) return NULL;

@@ -88,8 +88,21 @@ def _valid_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _forked(caller: str) -> bool:
+    """True (logged) in a process forked from the one that initialised the worker: the rank's
+    records are that process's to write, so a fork gets no worker of its own."""
+    worker = _worker
+    if worker is None or worker.pid == os.getpid():
+        return False
+    log.error("%s: process %d was forked from process %d, which initialised the profiling worker for rank %s; "
+              "a forked process gets none (the rank's records are written by that process alone)",
+              caller, os.getpid(), worker.pid, worker.rank)
+    return True
+
+
 def init_taskd_worker(rank_id, upper_limit_of_disk_in_mb=5000, framework="pt") -> bool:
-    """Load libmspti and prepare the worker for `rank_id`; False (logged) when that is not possible."""
+    """Load libmspti and prepare the worker for `rank_id`; False (logged) when that is not possible,
+    and in a process forked from one that has initialised it."""
     global _worker
     if not _valid_int(rank_id):
         log.error("init_taskd_worker: rank_id must be a non-negative int, got %r", rank_id)
@@ -99,6 +112,8 @@ def init_taskd_worker(rank_id, upper_limit_of_disk_in_mb=5000, framework="pt") -
                   upper_limit_of_disk_in_mb)
         return False
     with _lock:
+        if _forked("init_taskd_worker"):
+            return False
         if _worker is not None:
             if _worker.rank == rank_id:
                 return True
@@ -126,12 +141,15 @@ def init_taskd_worker(rank_id, upper_limit_of_disk_in_mb=5000, framework="pt") -
 
 def start_taskd_worker() -> bool:
     """Start the background thread (after `init_taskd_worker`), and the TaskD manager client when the
-    process is in a TaskD job with a manager; stops them and writes the rest at exit."""
+    process is in a TaskD job with a manager; stops them and writes the rest at exit. False (logged)
+    in a process forked from the one that initialised the worker: it gets no worker of its own."""
     global _atexit_registered
     with _lock:
         worker = _worker
         if worker is None:
             log.error("start_taskd_worker: init_taskd_worker has not succeeded")
+            return False
+        if _forked("start_taskd_worker"):
             return False
         started = worker.start()
         if started and not _atexit_registered:
@@ -142,8 +160,19 @@ def start_taskd_worker() -> bool:
 
 def _at_exit() -> None:
     worker = _worker
-    if worker is not None:
+    if worker is not None and worker.pid == os.getpid():  # a forked child leaves the parent's records alone
         worker.stop()
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # a thread of the parent may have held it at the fork
+    worker = _worker
+    if worker is not None:
+        worker.after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def stats() -> dict:

@@ -13,14 +13,18 @@ Same API and the same output, byte for byte, as `agent._native.Collector`:
 * `drain()` hands over the complete lines gathered since the last drain (the native collector can
   also write them to a file itself, `drain_to`; this one cannot, and `agent.worker` writes the bytes);
 * `set_switch(default_on, comm_on)` makes TaskD's MSPTI calls and returns each domain's result
-  (0 off, 1 on, 2 exception: one of that domain's calls failed), as TaskD reports them to its manager.
+  (0 off, 1 on, 2 exception: one of that domain's calls failed), as TaskD reports them to its manager;
+* in a forked child (`os.register_at_fork`) it forgets the lines queued in the parent and goes inert,
+  as the native one does: the callbacks decline, nothing is drained, flushed or closed, no MSPTI call.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
+import weakref
 
 from agent.worker import jsonlines
 
@@ -102,6 +106,18 @@ def serialise(address: int) -> bytes | None:
     return None
 
 
+# The open collectors, for the fork hook below.
+_LIVE: "weakref.WeakSet[Collector]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for collector in list(_LIVE):
+        collector._forget()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Collector:
     def __init__(self, lib_path: str, *, buffers: int = 32, buffer_bytes: int = 1 << 20,
                  ring_bytes: int = 64 << 20) -> None:
@@ -140,6 +156,7 @@ class Collector:
         self._closed = False
         self._closing = False
         self._switch_lock = threading.Lock()
+        self._pid = os.getpid()
         self._counters = dict.fromkeys(("records", "bytes", "buffers_requested", "buffers_declined",
                                         "buffers_completed", "records_dropped", "records_skipped",
                                         "complete_ns", "complete_max_ns"), 0)
@@ -149,6 +166,19 @@ class Collector:
         result = lib.msptiActivityRegisterCallbacks(self._request_fn, self._complete_fn)
         if result != MSPTI_SUCCESS:
             raise OSError(f"msptiActivityRegisterCallbacks failed with {result}")
+        _LIVE.add(self)
+
+    def _forget(self) -> None:
+        """In a forked child: the queued lines are the parent's to write. Dropped, the callbacks
+        turned away, close and flush made no-ops; the locks are new (a thread of the parent may
+        have held one at the fork, and it is not in the child to release it)."""
+        self._lock = threading.Lock()
+        self._switch_lock = threading.Lock()
+        self._lines, self._queued = [], 0
+        self._closed = self._closing = True
+
+    def _foreign(self) -> bool:
+        return self._pid != os.getpid()
 
     # -- callbacks (mspti's threads) ---------------------------------------------------------------
 
@@ -215,6 +245,8 @@ class Collector:
 
         Returns `(default_result, comm_result)`, each SWITCH_OFF, SWITCH_ON or SWITCH_EXCEPTION (an
         MSPTI call of that domain did not return success), the per-domain results TaskD reports."""
+        if self._foreign():
+            raise ValueError(f"Collector belongs to process {self._pid}, not to this fork of it")
         with self._switch_lock:
             if self._closing:
                 raise ValueError("Collector is closed")
@@ -249,12 +281,14 @@ class Collector:
                 int(comm_on) if comm_ok else SWITCH_EXCEPTION)
 
     def drain(self) -> bytes:
+        if self._foreign():
+            return b""
         with self._lock:
             lines, self._lines, self._queued = self._lines, [], 0
         return b"".join(lines)
 
     def flush(self) -> None:
-        if not self._closed:
+        if not self._closed and not self._foreign():
             self._lib.msptiActivityFlushAll(1)
 
     def close(self) -> None:
@@ -262,6 +296,8 @@ class Collector:
         domain disabled), flush, and stop taking buffers; the lines still queued are returned by the
         next `drain()`. Idempotent. The callbacks stay registered and alive: mspti offers no way to
         unregister them, so they ignore everything from now on."""
+        if self._foreign():
+            return
         with self._switch_lock:
             if self._closing:
                 return

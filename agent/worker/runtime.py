@@ -5,7 +5,8 @@ read, is applied), then `collector.flush()` and appends the waiting lines to the
 native collector writes them from its own buffer (`RankWriter.write_from`), the Python one hands
 them over as bytes (`drain()`, `RankWriter.write`). `stop()` (the atexit hook) stops the TaskD
 manager client, ends the thread, does a last flush and write, and closes the collector; it never
-raises.
+raises. A worker belongs to the process that made it: in a forked child (`after_fork_in_child`, and
+a pid check in `start()` and `stop()`) it neither runs nor flushes, writes or closes anything.
 
 The switch has two sources, applied by one method (`apply_switch`) so they behave alike: the file,
 and in manager mode (`agent.worker.tasknet`) the TaskD manager's ACTION commands. Once the worker
@@ -42,6 +43,7 @@ class Worker:
         `tasknet.ManagerClient` (not started) for TaskD's manager-driven switch, or None."""
         self.rank = rank
         self.limit_mb = limit_mb
+        self.pid = os.getpid()  # the process whose records these are
         self.collector = collector
         self._direct = callable(getattr(collector, "drain_to", None))  # writes its lines to a file itself
         self.root = root
@@ -186,7 +188,20 @@ class Worker:
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
+    def after_fork_in_child(self) -> None:
+        """os.register_at_fork, in the child: the worker and whatever it holds are the parent's, so
+        the child never stops (flushes, writes, closes) it. Its locks are made new, in case a
+        thread of the parent held one at the fork: `stats()` must not hang in the child."""
+        self._stopped = True
+        self._tick_lock = threading.Lock()
+        self._switch_lock = threading.Lock()
+        forget = getattr(self.manager, "after_fork_in_child", None)
+        if forget is not None:
+            forget()
+
     def start(self) -> bool:
+        if os.getpid() != self.pid:
+            return False
         if self._thread is not None or self._stopped:
             return self._thread is not None and not self._stopped
         self._thread = threading.Thread(target=self._run, name="npu-agent-profiling", daemon=True)
@@ -203,9 +218,10 @@ class Worker:
             self.tick()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the thread, write what is left, close the collector. Idempotent; never raises."""
+        """Stop the thread, write what is left, close the collector. Idempotent; never raises. A no-op
+        in any process but the one that made the worker (a forked child exiting)."""
         try:
-            if self._stopped:
+            if self._stopped or os.getpid() != self.pid:
                 return
             self._stopped = True
             self._stop.set()

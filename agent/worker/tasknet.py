@@ -332,6 +332,13 @@ class ManagerClient:
         except BaseException:
             pass
 
+    def after_fork_in_child(self) -> None:
+        """In a forked child: the connection and the threads are the parent's; never started or
+        stopped here, and the locks are new so that `stats()` cannot hang on one held at the fork."""
+        self.stopped = True
+        self._lock = threading.Lock()
+        self._counter_lock = threading.Lock()
+
     @property
     def joined(self) -> bool:
         return self._up.is_set()

@@ -10,6 +10,11 @@
   dropped and counted. Aging the tree is the node agent's disk guard's job, not this one.
 * A write error (read-only, ENOSPC, refused path) drops that batch, is counted, and is logged at most
   once a minute; nothing is kept for a retry, so memory never grows.
+* Never a partial record: when a write is cut short (a full disk), the whole lines that reached the
+  file stay (counted as written), and the file is truncated back to the end of the last of them. If
+  it cannot be truncated (an append-only file, ...), the rest of that one record is kept and written
+  before anything else goes to the file; until it is, every batch is dropped (counted) rather than
+  glued to it. `records_written` is the number of complete lines this writer put on disk.
 
 `write(data)` takes the lines as bytes; `write_from(collector)` has the native collector write its
 waiting lines from its own buffer to the file (`drain_to`, no copy through Python, no GIL while
@@ -53,6 +58,10 @@ class RankWriter:
         self.bytes_dropped_error = 0
         self.write_errors = 0
         self.last_error = ""
+        # (file name, its size, the bytes that complete the record, the record's size): a cut-short
+        # write's partial record in a file that could not be truncated
+        self._partial: tuple[str, int, bytes, int] | None = None
+        self._partial_error: OSError | None = None
 
     def stats(self) -> dict:
         return {
@@ -67,6 +76,9 @@ class RankWriter:
         """Append `data` (complete lines); returns the bytes written. Never raises OSError."""
         if not data:
             return 0
+        if not self._finish_partial():
+            self._error(self._partial_error, len(data), data.count(b"\n"), self._partial_context())
+            return 0
         room = self.limit_bytes - self.bytes_written
         if len(data) > room:
             cut = data.rfind(b"\n", 0, room) + 1 if room > 0 else 0
@@ -76,14 +88,7 @@ class RankWriter:
             data = data[:cut]
             if not data:
                 return 0
-        try:
-            written = self._append(data)
-        except OSError as exc:
-            self._error(exc, len(data), data.count(b"\n"))
-            return 0
-        self.bytes_written += written
-        self.records_written += data.count(b"\n")
-        return written
+        return self._batch(lambda fd: _write_all(fd, data), lambda: (len(data), data.count(b"\n")))
 
     def write_from(self, source) -> int:
         """Append the complete lines waiting in `source` (`agent._native.Collector`: `pending`,
@@ -93,26 +98,16 @@ class RankWriter:
         waiting = source.pending()
         if not waiting:
             return 0
+        if not self._finish_partial():
+            self._error(self._partial_error, *source.discard(), self._partial_context())
+            return 0
         room = max(0, self.limit_bytes - self.bytes_written)
         fit = waiting if waiting <= room else source.pending(room)  # whole lines
         try:
             if not fit:
                 return 0
-            try:
-                fd = self._open_target()
-            except OSError as exc:
-                self._error(exc, *source.discard(fit))
-                return 0
-            try:
-                written, lines = source.drain_to(fd, fit)
-            except OSError as exc:  # the batch is gone from the collector, as `write` drops it
-                self._error(exc, exc.size, exc.lines)
-                return 0
-            finally:
-                os.close(fd)
-            self.bytes_written += written
-            self.records_written += lines
-            return written
+            # a failed write: the batch is gone from the collector, as `write` drops it
+            return self._batch(lambda fd: source.drain_to(fd, fit), lambda: source.discard(fit))
         finally:
             if fit < waiting:  # the lines of this round past the cap
                 size, lines = source.discard(waiting - fit)
@@ -121,7 +116,105 @@ class RankWriter:
 
     # -- internals ---------------------------------------------------------------------------------
 
-    def _error(self, exc: OSError, size: int, lines: int) -> None:
+    def _batch(self, write, drop) -> int:
+        """One batch: `write(fd)` appends it to the target file -> (bytes, lines), or raises OSError
+        carrying `written`, `size`, `lines`, `whole`, `whole_lines` and `rest` (`_write_all`,
+        `Collector.drain_to`); `drop()` discards it when no file can be opened -> (bytes, lines)."""
+        try:
+            fd, name = self._open_target()
+            try:
+                start = os.fstat(fd).st_size  # O_APPEND: where the batch goes (only this writer appends to its files)
+            except OSError:
+                os.close(fd)
+                raise
+        except OSError as exc:
+            self._error(exc, *drop())
+            return 0
+        try:
+            try:
+                written, lines = write(fd)
+            except OSError as exc:
+                return self._cut_short(exc, fd, name, start)
+            self.bytes_written += written
+            self.records_written += lines
+            return written
+        finally:
+            os.close(fd)
+
+    def _cut_short(self, exc: OSError, fd: int, name: str, start: int) -> int:
+        """A batch whose write failed after `exc.written` bytes: keep its whole lines, remove the
+        partial one (or keep its rest to complete it), count the rest as dropped. Returns the bytes kept."""
+        written, size, lines = exc.written, exc.size, exc.lines
+        # a collector built before these were reported: back to the batch's start, nothing to complete
+        whole, whole_lines = getattr(exc, "whole", 0), getattr(exc, "whole_lines", 0)
+        rest = getattr(exc, "rest", b"")
+        pending_bytes = pending_lines = 0
+        detail = None
+        if written > whole:
+            try:
+                os.ftruncate(fd, start + whole)
+                detail = "the partial record after them truncated away"
+            except OSError as cut_exc:
+                reason = f"{type(cut_exc).__name__}: {cut_exc}"
+                if rest:
+                    pending_bytes, pending_lines = written - whole + len(rest), 1
+                    self._partial = (name, start + written, rest, pending_bytes)
+                    detail = (f"the partial record after them could not be truncated away ({reason}) and is "
+                              f"completed before the next write")
+                else:  # a source that cannot say how the record ends: nothing can mend it
+                    detail = f"the partial record after them could not be truncated away ({reason})"
+        self.bytes_written += whole
+        self.records_written += whole_lines
+        context = None
+        if written:
+            context = f"{whole_lines} of {lines} records written" + (f", {detail}" if detail else "")
+        self._error(exc, size - whole - pending_bytes, lines - whole_lines - pending_lines, context, name)
+        return whole
+
+    def _finish_partial(self) -> bool:
+        """Write the rest of the record a cut-short write left at the end of a file that could not
+        be truncated. True when no partial record is left (written, or its file is gone); False
+        (`_partial_error` set) when it is still there: nothing may be appended after it then."""
+        if self._partial is None:
+            return True
+        name, end, rest, size = self._partial
+        try:
+            dir_fd = self._open_rank_dir()
+            try:
+                fd = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            finally:
+                os.close(dir_fd)
+        except FileNotFoundError:
+            return self._abandon_partial()  # the file is gone (aged out), and the partial record with it
+        except OSError as exc:
+            self._partial_error = exc
+            return False
+        try:
+            if os.fstat(fd).st_size != end:  # not ours any more: writing the rest could not mend it
+                return self._abandon_partial()
+            _write_all(fd, rest)
+        except OSError as exc:
+            done = getattr(exc, "written", 0)
+            self._partial = (name, end + done, rest[done:], size)
+            self._partial_error = exc
+            return False
+        finally:
+            os.close(fd)
+        self._partial = None
+        self.bytes_written += size
+        self.records_written += 1
+        return True
+
+    def _abandon_partial(self) -> bool:
+        self.records_dropped_error += 1
+        self.bytes_dropped_error += self._partial[3]
+        self._partial = None
+        return True
+
+    def _partial_context(self) -> str:
+        return f"the partial record at the end of {self._partial[0]} is not completed yet"
+
+    def _error(self, exc: OSError, size: int, lines: int, context: str | None = None, name: str | None = None) -> None:
         self.write_errors += 1
         self.records_dropped_error += lines
         self.bytes_dropped_error += size
@@ -129,8 +222,14 @@ class RankWriter:
         now = self._monotonic()
         if self._last_log is None or now - self._last_log >= LOG_EVERY:
             self._last_log = now
-            log.warning("profiling records for rank %s not written to %s (%s); dropped %d records so far",
-                        self.rank, self.rank_dir, self.last_error, self.records_dropped_error)
+            if name is None:
+                log.warning("profiling records for rank %s not written to %s (%s)%s; dropped %d records so far",
+                            self.rank, self.rank_dir, self.last_error, f": {context}" if context else "",
+                            self.records_dropped_error)
+            else:
+                log.warning("profiling records for rank %s not %swritten to %s (%s)%s; dropped %d records so far",
+                            self.rank, "all " if context else "", os.path.join(self.rank_dir, name),
+                            self.last_error, f": {context}" if context else "", self.records_dropped_error)
 
     def _makedirs(self) -> None:
         os.makedirs(self.root, 0o755, exist_ok=True)
@@ -173,8 +272,8 @@ class RankWriter:
                 return newest
         return "%010d" % int(self._clock())
 
-    def _open_target(self) -> int:
-        """The file to append to now, opened for appending (the caller closes it)."""
+    def _open_target(self) -> tuple[int, str]:
+        """The file to append to now, opened for appending (the caller closes it), and its name."""
         dir_fd = self._open_rank_dir()
         try:
             name = self._target(dir_fd)
@@ -182,25 +281,37 @@ class RankWriter:
             try:
                 fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dir_fd)
             except FileExistsError:
-                return os.open(name, flags, dir_fd=dir_fd)
+                return os.open(name, flags, dir_fd=dir_fd), name
             try:
                 os.fchmod(fd, 0o644)
             except OSError:
                 os.close(fd)
                 raise
             self.files_created += 1
-            return fd
+            return fd, name
         finally:
             os.close(dir_fd)
 
-    def _append(self, data: bytes) -> int:
-        fd = self._open_target()
-        try:
-            view = memoryview(data)
-            total = 0
-            while total < len(data):
-                total += os.write(fd, view[total:])
-            return total
-        finally:
-            os.close(fd)
+
+def _write_all(fd: int, data: bytes) -> tuple[int, int]:
+    """`data` (whole lines) to `fd` through short writes -> (bytes, lines); on an error, OSError
+    with what the native `Collector.drain_to` reports: `written` (bytes that reached the file), `size`
+    and `lines` (the batch), `whole` and `whole_lines` (its complete lines within `written`), and
+    `rest` (the bytes that would complete the line cut at `written`; empty when none is)."""
+    view = memoryview(data)
+    written = 0
+    try:
+        while written < len(data):
+            n = os.write(fd, view[written:])
+            if n == 0:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            written += n
+    except OSError as exc:
+        whole = data.rfind(b"\n", 0, written) + 1
+        exc.written, exc.size, exc.lines = written, len(data), data.count(b"\n")
+        exc.whole, exc.whole_lines = whole, data.count(b"\n", 0, whole)
+        end = data.find(b"\n", written)
+        exc.rest = data[written:end + 1] if written > whole and end >= 0 else b""
+        raise
+    return written, data.count(b"\n")
 

@@ -529,6 +529,106 @@ def test_drain_to_partial_write_is_reported(open_collector, lib):
         os.close(w)
 
 
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def leave_room(fs, pages: int) -> None:
+    """Fill the file system, then free `pages` pages: a longer write is cut short, the next fails (ENOSPC)."""
+    fs.fill()
+    filler = fs.path / ".filler"
+    os.truncate(filler, filler.stat().st_size - pages * PAGE)
+
+
+@pytest.mark.parametrize("cut", ["before the ring's end", "after the ring's end"])
+def test_drain_to_cut_short_by_a_full_disk_reports_the_whole_lines_and_the_rest(open_collector, lib, small_fs, cut):
+    """The line cut by a short write straddles the ring's end; the write stops before or after it."""
+    cap = 64 * 1024
+    c = open_collector(ring_bytes=cap)
+    c.set_switch(True, False)
+    long_name = b"n" * (5 * PAGE)
+    ident = lib.fake_mspti_next_id()  # the sizes of the lines to come, near enough (checked below)
+    short = len(marker_line(ident, b"step 7", b"default", 2, 0, 5, 6))
+    long_size = len(marker_line(ident, long_name, b"default", 2, 0, 5, 6))
+    # move the ring's tail so that the long line will straddle the ring's end in its middle
+    skip = []
+    while True:
+        at = sum(len(line) for line in skip) % cap
+        if at + 10 * short + long_size // 2 >= cap - short:
+            break
+        skip += emit_lines(lib, 1)
+    c.flush()
+    c.discard()
+    batch = emit_lines(lib, 10) + emit_lines(lib, 1, long_name) + emit_lines(lib, 10)
+    c.flush()
+    data = b"".join(batch)
+    whole = len(b"".join(batch[:10]))
+    wrap = cap - at  # where in the batch the ring ends: inside the long line
+    assert whole < wrap < whole + len(batch[10])
+    pages = (wrap // PAGE if cut == "before the ring's end" else wrap // PAGE + 1)
+    assert whole < pages * PAGE < whole + len(batch[10]) and (pages * PAGE < wrap) == (cut == "before the ring's end")
+    out = small_fs.path / "out"
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        leave_room(small_fs, pages)
+        with pytest.raises(OSError) as info:
+            c.drain_to(fd)
+    finally:
+        os.close(fd)
+    e = info.value
+    assert e.errno == errno.ENOSPC and (e.size, e.lines) == (len(data), 21)
+    assert e.written == pages * PAGE and out.read_bytes() == data[:e.written]
+    assert (e.whole, e.whole_lines) == (whole, 10)
+    assert e.rest == batch[10][e.written - whole:]  # what completes the cut line
+    assert c.pending() == 0
+
+
+@pytest.mark.parametrize("truncatable", [True, False], ids=["truncated", "append-only file"])
+def test_worker_never_leaves_a_partial_record_on_a_full_disk(open_collector, lib, small_fs, tmp_path, truncatable):
+    from agent.worker.runtime import Worker
+
+    c = open_collector()
+    (tmp_path / "switch").write_text('{"Step":"on"}')
+    w = Worker(0, 5000, c, root=str(small_fs.path / "p"), job="j", switch_path=str(tmp_path / "switch"),
+               interval=3600, clock=lambda: 1_755_771_234)
+    w.tick()  # applies the switch
+    first = emit_lines(lib, 20)
+    w.tick()
+    target = small_fs.path / "p" / "j" / "0" / "1755771234"
+    if not truncatable:
+        done = subprocess.run(["chattr", "+a", str(target)], capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"this file system cannot make a file append-only: {done.stderr.strip()}")
+    try:
+        leave_room(small_fs, 2)
+        before, long = emit_lines(lib, 10), emit_lines(lib, 1, b"n" * 5 * PAGE)
+        emit_lines(lib, 10)
+        w.tick()
+        data = target.read_bytes()
+        kept = b"".join(first + before)
+        s = w.stats()
+        assert s["records_written"] == 30 and s["write_errors"] == 1
+        if truncatable:
+            assert data == kept and s["records_dropped_error"] == 11
+        else:  # the partial record stays until it can be completed; nothing is glued to it
+            assert (kept + long[0]).startswith(data) and len(kept) < len(data) < len(kept + long[0])
+            assert s["records_dropped_error"] == 10
+            emit_lines(lib, 3)
+            w.tick()
+            assert target.read_bytes() == data and w.stats()["records_dropped_error"] == 13
+        small_fs.free()
+        last = emit_lines(lib, 5)
+        w.tick()
+        w.stop()
+    finally:
+        subprocess.run(["chattr", "-a", str(target)], capture_output=True)
+    expected = kept + (b"" if truncatable else long[0]) + b"".join(last)
+    assert target.read_bytes() == expected  # every line whole
+    s = w.stats()
+    assert s["records_written"] == expected.count(b"\n") == 35 + (not truncatable)
+    assert s["bytes_written"] == len(expected)
+
+
 def test_drain_to_survives_signals_while_blocked(open_collector, lib):
     """A blocking write interrupted by signals (EINTR, short writes) goes on where it stopped."""
     c = open_collector()
@@ -733,6 +833,81 @@ def test_exit_mid_stream_never_crashes(fake):
         out, err = p.communicate(timeout=30)
         assert p.returncode == 0, f"variant {variant}: exit {p.returncode}\n{err.decode(errors='replace')}"
         assert b"double free" not in err and b"Segmentation" not in err, err
+
+
+
+FORK_SCRIPT = r"""
+import array, fcntl, json, os, signal, sys, termios, threading, time
+sys.path.insert(0, sys.argv[1])
+from testkit.fakes.mspti import load_fake_mspti
+import agent._native as native
+lib = load_fake_mspti(sys.argv[2])
+c = native.Collector(sys.argv[2])
+c.set_switch(True, False)
+lib.fake_mspti_emit(2000, b"parent", b"default", 2, 0)
+lib.fake_mspti_wait_idle()
+c.flush()
+size = c.pending()
+r, w = os.pipe()
+writer = threading.Thread(target=c.drain_to, args=(w,))
+writer.start()  # blocks once the pipe is full, inside drain_to, holding the collector's consumer lock
+
+def in_pipe():
+    n = array.array("i", [0])
+    fcntl.ioctl(r, termios.FIONREAD, n)
+    return n[0]
+
+deadline = time.monotonic() + 10
+while in_pipe() < fcntl.fcntl(w, 1032) and time.monotonic() < deadline:  # F_GETPIPE_SZ
+    time.sleep(0.001)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(10)  # a hang (on the lock the writer holds for good here) ends the child with SIGALRM
+    out = {"parent": os.getppid(), "pending": c.pending(), "drain": len(c.drain()), "discard": c.discard()}
+    with open(os.devnull, "wb") as devnull:
+        out["drain_to"] = c.drain_to(devnull)
+    c.flush()
+    c.close()
+    try:
+        c.set_switch(True, False)
+    except ValueError as exc:
+        out["set_switch"] = str(exc)
+    out["records"] = c.counters()["records"]
+    own = native.Collector(sys.argv[2])  # the child may collect for itself
+    own.set_switch(True, False)
+    lib.fake_mspti_emit(5, b"child", b"default", 2, 0)
+    lib.fake_mspti_wait_idle()
+    own.flush()
+    out["own"] = [json.loads(line)["Name"] for line in own.drain().splitlines()]
+    own.close()
+    print(json.dumps(out), flush=True)
+    sys.exit(0)  # interpreter exit frees the parent's Collector here too
+got = bytearray()
+while len(got) < size:
+    got += os.read(r, 1 << 16)
+writer.join()
+status = os.waitpid(pid, 0)[1]
+print(json.dumps({"child_exit": os.waitstatus_to_exitcode(status), "read": len(got), "size": size,
+                  "names": sorted({json.loads(line)["Name"] for line in got.splitlines()}),
+                  "lines": got.count(b"\n")}), flush=True)
+c.close()
+"""
+
+
+def test_a_forked_child_gets_an_inert_collector_and_may_open_its_own(fake):
+    if native is None:
+        pytest.fail(f"agent._native failed to import: {IMPORT_ERROR!r}")
+    proc = subprocess.run([sys.executable, "-c", FORK_SCRIPT, str(REPO), str(fake[0])], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert lines[-1]["child_exit"] == 0, f"the child did not finish: {lines}"
+    child, parent = lines
+    assert child == {"parent": child["parent"], "pending": 0, "drain": 0, "discard": [0, 0], "drain_to": [0, 0],
+                     "set_switch": f"Collector belongs to process {child['parent']}, not to this fork of it",
+                     "records": 2000, "own": ["child"] * 5}
+    # the parent's writer went on where it was: each of its records once, none of the child's
+    assert parent["read"] == parent["size"] and parent["lines"] == 2000 and parent["names"] == ["parent"]
 
 
 def test_extension_source_compiles_without_warnings(tmp_path):

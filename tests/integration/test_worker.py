@@ -344,6 +344,52 @@ def test_worker_limit_and_unwritable_root(fake, collectors, tmp_path):
     w.stop()
 
 
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def leave_room(fs, pages: int) -> None:
+    """Fill the file system, then free `pages` pages: a longer write is cut short, the next fails (ENOSPC)."""
+    fs.fill()
+    filler = fs.path / ".filler"
+    os.truncate(filler, filler.stat().st_size - pages * PAGE)
+
+
+def test_a_full_disk_never_leaves_a_partial_record(fake, collectors, small_fs, tmp_path, caplog):
+    c = collectors()
+    write_switch(tmp_path / "switch", Step="on")
+    w = Worker(0, 5000, c, root=str(small_fs.path / "p"), job="j", switch_path=str(tmp_path / "switch"),
+               interval=3600)
+    w.tick()  # applies the switch
+
+    def emit(n: int, name: bytes = b"step") -> None:
+        fake.fake_mspti_emit(n, name, b"default", 2, 0)
+        fake.fake_mspti_wait_idle()
+
+    emit(20)
+    w.tick()
+    leave_room(small_fs, 2)
+    emit(10)
+    emit(1, b"n" * 5 * PAGE)  # longer than the room left: the write is cut short inside it
+    emit(10)
+    with caplog.at_level("WARNING", logger="agent.worker"):
+        w.tick()
+    _, data = read_rank(small_fs.path / "p", "j", 0)
+    assert data.endswith(b"\n") and records.parse(data).errors == []
+    s = w.stats()
+    assert s["records_written"] == data.count(b"\n") == 30 and s["bytes_written"] == len(data)
+    assert (s["write_errors"], s["records_dropped_error"]) == (1, 11)
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "agent.worker"]
+    assert "10 of 21 records written, the partial record after them truncated away" in message
+    small_fs.free()
+    emit(5)
+    w.tick()  # space again: the next batch is whole
+    w.stop()
+    _, after = read_rank(small_fs.path / "p", "j", 0)
+    parsed = records.parse(after)
+    assert after.startswith(data) and parsed.errors == [] and len(parsed.markers) == 35
+    assert w.stats()["records_written"] == 35
+
 # -- the module API in a child process ------------------------------------------------------------
 
 CHILD = textwrap.dedent("""
@@ -471,6 +517,61 @@ def test_native_and_python_collectors_write_the_same_bytes(lib_path, tmp_path):
     assert '{"opName":"hcom_allReduce_1","groupName":"10.0.0.1%eth0_60000"}' in by_name
     assert {"C:\temp", "C:\\Users\\data", "a\nb", "caf\u00e9 \u00e9 <\u2028/", "\U0001f600 \ufffd \ufffd\ufffd\U0001f600",
             "a\\n\ufffd", 'q"\\n', "end\\", "\\u12x"} <= by_name
+
+
+
+# -- a training process that forks ----------------------------------------------------------------
+
+FORK_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import agent.worker as worker
+    from testkit.fakes.mspti import load_fake_mspti
+    children, per_child = int(sys.argv[1]), int(sys.argv[2])
+    assert worker.init_taskd_worker(0) and worker.start_taskd_worker()
+    fake = load_fake_mspti(worker.find_library())
+    w = worker._worker
+    w.tick()  # the switch file turns collection on now, not at the thread's first round
+    for _ in range(children):
+        with w._tick_lock:  # no round of the worker's thread writes between these records and the fork
+            fake.fake_mspti_emit(per_child, b"step", b"default", 16, 0)
+            fake.fake_mspti_wait_idle()
+            sys.stdout.flush()
+            pid = os.fork()
+        if pid == 0:  # the child asks for a worker of its own, then exits normally: atexit runs
+            print(json.dumps({"init": worker.init_taskd_worker(0), "start": worker.start_taskd_worker(),
+                              "running": worker.stats()["running"]}), flush=True)
+            sys.exit(0)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    print(json.dumps({"emitted": fake.fake_mspti_emitted()}), flush=True)
+    # the parent exits normally too: its atexit hook writes what is left, once
+""")
+
+
+@pytest.mark.parametrize("impl", ["python", "native"])
+@pytest.mark.parametrize("children, per_child", [(1, 100), (20, 15)])
+def test_a_forked_child_never_writes_the_parents_records(lib_path, tmp_path, impl, children, per_child):
+    if impl == "native":
+        pytest.importorskip("agent._native", reason="the native extension is not built")
+    write_switch(tmp_path / "sw", Step="on")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MINDX_TASK_ID", "MASTER_ADDR", "MS_SCHED_HOST", "LOCAL_PROXY_ENABLE")}
+    env.update(NPU_AGENT_PROFILING_ROOT=str(tmp_path / "profiling"), NPU_AGENT_PROFILING_SWITCH=str(tmp_path / "sw"),
+               NPU_AGENT_WORKER_IMPL=impl, PYTHONPATH=str(REPO), LD_LIBRARY_PATH=str(lib_path.parent),
+               MINDX_TASK_ID="job-fork")
+    proc = subprocess.run([sys.executable, "-c", FORK_SCRIPT, str(children), str(per_child)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    *from_children, parent = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert parent == {"emitted": children * per_child}
+    _, data = read_rank(tmp_path / "profiling", "job-fork", 0)
+    parsed = records.parse(data)
+    assert parsed.errors == []
+    ids = [int(m[records.ID]) for m in parsed.markers]
+    assert len(ids) == children * per_child, f"{len(ids)} lines on disk for {children * per_child} records"
+    assert len(set(ids)) == len(ids)
+    # a forked child gets no worker of its own: the parent's records stay the parent's to write
+    assert from_children == [{"init": False, "start": False, "running": False}] * children
+    assert proc.stderr.count("was forked from process") == 2 * children, proc.stderr
 
 
 # -- TaskD's manager-driven switch: training processes and a manager stand-in -----------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -209,14 +211,10 @@ def test_read_only_file_system_error_during_write(tmp_path, monkeypatch):
     assert (tmp_path / "job" / "0" / "1755771234").read_bytes() == b"c\n"
 
 
-def test_write_error_log_is_rate_limited(tmp_path, monkeypatch, caplog):
+def test_write_error_log_is_rate_limited(small_fs, caplog):
     mono = [1000.0]
-    w = RankWriter(str(tmp_path), "job", 0, 5000, clock=FakeClock(T0), monotonic=lambda: mono[0])
-
-    def enospc(data):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(w, "_append", enospc)
+    w = RankWriter(str(small_fs.path), "job", 0, 5000, clock=FakeClock(T0), monotonic=lambda: mono[0])
+    small_fs.fill()
     with caplog.at_level("WARNING", logger="agent.worker"):
         for _ in range(5):
             w.write(b"a\n")
@@ -244,8 +242,8 @@ def test_file_names_are_ten_digits(tmp_path):
 
 class LinesSource:
     """The consumer side of agent._native.Collector (pending, drain_to, discard) over bytes: whole
-    lines only, taken either way, OSError carrying written/size/lines (tests/integration checks the
-    real one)."""
+    lines only, taken either way, OSError carrying written/size/lines/whole/whole_lines/rest
+    (tests/integration checks the real one)."""
 
     def __init__(self, data: bytes = b"") -> None:
         self.data = data
@@ -271,7 +269,10 @@ class LinesSource:
             while written < n:
                 written += os.write(fd, taken[written:])
         except OSError as exc:
+            whole = taken.rfind(b"\n", 0, written) + 1
             exc.written, exc.size, exc.lines = written, n, taken.count(b"\n")
+            exc.whole, exc.whole_lines = whole, taken.count(b"\n", 0, whole)
+            exc.rest = taken[written:taken.index(b"\n", written) + 1] if written > whole else b""
             raise
         return n, taken.count(b"\n")
 
@@ -364,3 +365,101 @@ def test_write_from_with_nothing_waiting_touches_nothing(tmp_path):
     w = RankWriter(str(tmp_path), "job", 0, 5000, clock=FakeClock(T0))
     assert w.write_from(LinesSource()) == 0
     assert not (tmp_path / "job").exists()
+
+
+# -- a full disk: never a partial record -------------------------------------------------------------
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def leave_room(fs, pages: int) -> None:
+    """Fill the file system, then free `pages` pages: a longer write is cut short, the next fails (ENOSPC)."""
+    fs.fill()
+    filler = fs.path / ".filler"
+    os.truncate(filler, filler.stat().st_size - pages * PAGE)
+
+
+def torn_batch() -> tuple[bytes, bytes, bytes]:
+    """10 short lines, a line longer than the room `leave_room(fs, 2)` leaves, 10 short lines."""
+    return lines(10, 100), b"L" * (5 * PAGE) + b"\n", lines(10, 100)
+
+
+def on_disk(w: RankWriter) -> bytes:
+    return b"".join((Path(w.rank_dir) / name).read_bytes() for name in files(w.rank_dir))
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["write", "write_from"])
+def test_a_full_disk_never_leaves_a_partial_record(small_fs, caplog, direct):
+    w = RankWriter(str(small_fs.path / "root"), "job", 0, 5000, clock=FakeClock(T0))
+    first = lines(20, 100)
+    assert feed(w, first, direct) == len(first)
+    leave_room(small_fs, 2)
+    before, long, after = torn_batch()
+    with caplog.at_level("WARNING", logger="agent.worker"):
+        assert feed(w, before + long + after, direct) == len(before)  # cut short inside the long line
+    data = on_disk(w)
+    assert data == first + before  # the whole lines that made it; the partial one truncated away
+    s = w.stats()
+    assert s["records_written"] == data.count(b"\n") == 30 and s["bytes_written"] == len(data)
+    assert (s["write_errors"], s["records_dropped_error"]) == (1, 11)
+    assert s["bytes_dropped_error"] == len(long + after) and "No space left" in s["last_error"]
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "agent.worker"]
+    assert message == (f"profiling records for rank 0 not all written to {w.rank_dir}/1755771234 (OSError: [Errno 28] "
+                       f"No space left on device): 10 of 21 records written, the partial record after them "
+                       f"truncated away; dropped 11 records so far")
+    small_fs.free()
+    last = lines(5, 100)
+    assert feed(w, last, direct) == len(last)  # space again: the next batch is whole
+    assert on_disk(w) == first + before + last
+    assert w.stats()["records_written"] == 35
+
+
+@pytest.fixture
+def append_only():
+    """chattr +a on files (undone afterwards): such a file cannot be truncated (EPERM)."""
+    made = []
+
+    def set_(path) -> None:
+        done = subprocess.run(["chattr", "+a", str(path)], capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"this file system cannot make a file append-only: {done.stderr.strip()}")
+        made.append(path)
+
+    yield set_
+    for path in made:
+        subprocess.run(["chattr", "-a", str(path)], capture_output=True)
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["write", "write_from"])
+def test_a_partial_record_that_cannot_be_truncated_is_completed_before_the_next_batch(small_fs, append_only,
+                                                                                       caplog, direct):
+    w = RankWriter(str(small_fs.path / "root"), "job", 0, 5000, clock=FakeClock(T0))
+    first = lines(20, 100)
+    feed(w, first, direct)
+    append_only(Path(w.rank_dir) / "1755771234")
+    leave_room(small_fs, 2)
+    before, long, after = torn_batch()
+    with caplog.at_level("WARNING", logger="agent.worker"):
+        assert feed(w, before + long + after, direct) == len(before)
+        torn = on_disk(w)
+        # the whole lines, then a part of the long one
+        assert (first + before + long).startswith(torn) and len(first + before) < len(torn) < len(first + before + long)
+        s = w.stats()
+        assert (s["records_written"], s["write_errors"], s["records_dropped_error"]) == (30, 1, 10)
+        assert feed(w, lines(3, 100), direct) == 0  # still full: not glued to the partial record, dropped
+        assert on_disk(w) == torn
+    s = w.stats()
+    assert (s["records_written"], s["write_errors"], s["records_dropped_error"]) == (30, 2, 13)
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "agent.worker"]  # once a minute
+    assert message == (f"profiling records for rank 0 not all written to {w.rank_dir}/1755771234 (OSError: [Errno 28] "
+                       f"No space left on device): 10 of 21 records written, the partial record after them "
+                       f"could not be truncated away (PermissionError: [Errno 1] Operation not permitted) and is "
+                       f"completed before the next write; dropped 10 records so far")
+    small_fs.free()
+    last = lines(5, 100)
+    assert feed(w, last, direct) == len(last)
+    data = on_disk(w)
+    assert data == first + before + long + last  # completed, then the next batch whole
+    s = w.stats()
+    assert s["records_written"] == data.count(b"\n") == 36 and s["bytes_written"] == len(data)
+    assert s["records_dropped_error"] == 13
