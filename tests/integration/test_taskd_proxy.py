@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from contextlib import contextmanager
 
 import pytest
 
@@ -35,8 +37,8 @@ class Node:
         self.managers = {}
         self.workers = {}
 
-    def start_manager(self, job):
-        self.managers[job] = manager(f"{JOBS[job]}:{self.manager_port}")
+    def start_manager(self, job, config=None):
+        self.managers[job] = manager(f"{JOBS[job]}:{self.manager_port}", config=config)
         return self.managers[job]
 
     def env(self, job, rank):
@@ -379,3 +381,82 @@ def test_a_flood_of_held_messages_is_bounded_in_bytes(node):
         assert len(received(mgr, uid)["body"]) == 7 << 20
     assert sorted(u for u in uuids_received(mgr) if u.startswith("big-")) == held
     wait_until(lambda: n.agent.metric("npu_agent_taskd_proxy_buffer_bytes", job_id="job-a") == 0, 10, "budget empty")
+
+
+REGISTER = '{"msg_type":"REGISTER","code":101,"message":"","extension":null}'
+# A manager that takes 1.5 s to install a down stream it accepted (TaskD's handler runs late on a busy
+# manager) and answers every REGISTER at once with an ACTION, once.
+SLOW_STREAM = {"stream_delay": 1.5, "register_reply": 710}
+
+
+@contextmanager
+def busy(threads: int = 2):
+    """Busy-looping threads for the duration: every process of the test gets less of the (shared) CPU."""
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+
+    spinners = [threading.Thread(target=spin, name="busy", daemon=True) for _ in range(threads)]
+    for t in spinners:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in spinners:
+            t.join()
+
+
+def assert_registers_answered(mgr, registers: dict) -> None:
+    """Each REGISTER ({worker peer: uuid}) delivered once with the manager's ack, and the ACTION the
+    manager answered it with at once delivered to that worker; nothing reached the manager before the
+    proxy's down stream was installed."""
+    for peer, uid in registers.items():
+        sent = peer.wait_event(lambda e: e.get("event") == "sent" and e["uuid"] == uid, 30)
+        assert (sent["code"], sent["ack_src"]) == (0, MGR), sent
+        answer = mgr.wait_event(lambda e: e["event"] == "action_sent" and e.get("reply_to") == uid, 30)
+        assert (answer["code"], answer["ack_src"], answer["error"]) == (0, peer.pos, None), answer
+        action = json.loads(received(peer, answer["uuid"])["body"])
+        assert (action["msg_type"], action["code"]) == ("ACTION", 710)
+    assert sorted(uuids_received(mgr)) == sorted(registers.values())  # none lost, none twice
+    events = mgr.events()
+    installed = next(i for i, e in enumerate(events) if e["event"] == "stream" and e["pos"]["role"] == "Proxy")
+    first_up = next(i for i, e in enumerate(events) if e["event"] == "received")
+    assert installed < first_up, "a message reached the manager before its stream to the proxy was installed"
+
+
+def test_after_a_manager_restart_held_messages_wait_for_its_stream(node):
+    """The restarted manager takes a moment to install the proxy's down stream and answers each held
+    REGISTER at once: flushed before the stream is there, the answer is lost (6002)."""
+    n = node()
+    n.start_job("job-a", ranks=(0, 1)).kill()
+    n.agent.wait_for_log("TaskD manager unreachable; holding messages for it", job="job-a")
+    registers = {}
+    for rank in (0, 1):
+        peer = n.workers["job-a", rank]
+        registers[peer] = f"register-{rank}"
+        peer.send(op="send", uuid=f"register-{rank}", dst=MGR, body=REGISTER, sync=True, mtype="default")
+    wait_until(lambda: n.agent.metric("npu_agent_taskd_proxy_queue_depth", job_id="job-a") == 2, 10, "both held")
+    with busy():
+        restarted = n.start_manager("job-a", config=SLOW_STREAM)
+        assert_registers_answered(restarted, registers)
+    connects = wait_until(lambda: [r for r in list(n.agent.logs) if r.get("msg") == "connected to the TaskD manager"
+                                   and r.get("job") == "job-a"][1:], 10, "the second connect logged")
+    assert connects[-1]["stream_checks"] > 1  # it did wait for the stream (the first check came too early)
+
+
+def test_at_a_jobs_first_connect_nothing_goes_up_before_the_managers_stream(node):
+    """Workers send REGISTER as soon as they have joined, as TaskD's do, while the proxy's link to the
+    job's manager is still opening: the manager's answers must reach them."""
+    n = node()
+    with busy():
+        mgr = n.start_manager("job-a", config=SLOW_STREAM)
+        peers = [n.start_worker("job-a", rank, wait_ready=False) for rank in (0, 1)]
+        registers = {}
+        for rank, peer in enumerate(peers):
+            peer.wait_event("ready", 30)
+            registers[peer] = f"register-{rank}"
+            peer.send(op="send", uuid=f"register-{rank}", dst=MGR, body=REGISTER, sync=True, mtype="default")
+        assert_registers_answered(mgr, registers)

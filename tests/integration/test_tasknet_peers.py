@@ -302,6 +302,48 @@ def test_register_and_path_delays_hold_the_answers(mgr):
     assert registered - started >= 0.25 and discovered - registered >= 0.25
 
 
+def test_a_stream_is_installed_a_moment_after_it_is_accepted_and_sends_meanwhile_fail_6002(peers):
+    """TaskD's manager stores a down stream in its entry when the stream's handler gets to run; until
+    then a send to that position fails with NetStreamNotInited 6002 ("stream not inited", all a remote
+    caller gets), and an ACTION the manager answers a REGISTER with at once is lost."""
+    mgr = peers(driver.manager("127.0.0.1:0", config={"stream_delay": 3.0, "register_reply": 710}))
+    w = peers(driver.worker(mgr.address, 0, 3))  # ready once the manager took the call, 3 s before it is installed
+    with raw_client(mgr) as stub:
+        header = pb.MessageHeader(uuid="through", mtype="default", sync=True, src=as_pb(pos("Worker", 0, 4)),
+                                  dst=as_pb(w.pos))
+        with pytest.raises(grpc.RpcError) as failed:
+            stub.TransferMessage(pb.Message(header=header, body="too early"), timeout=10)
+    assert (failed.value.code(), failed.value.details()) == (grpc.StatusCode.UNKNOWN, "stream not inited")
+    early = mgr.transfer(w.pos, "too early", sync=True)
+    assert (early["code"], early["ack_src"], early["error"]) == (6002, None, "stream not inited"), early
+    reg = w.transfer(MGR, REGISTER, sync=True, mtype="default")
+    assert (reg["code"], reg["ack_src"]) == (0, MGR)  # taken, and acked before the business layer answers
+    lost = mgr.wait_event(lambda e: e["event"] == "action_sent" and e.get("reply_to") == reg["uuid"])
+    assert (lost["code"], lost["ack_src"], lost["error"], lost["tries"]) == (6002, None, "stream not inited", 1)
+    assert not mgr.events("stream")  # all of the above happened before the stream was installed
+
+    mgr.wait_event(lambda e: e["event"] == "stream" and e["pos"] == w.pos)
+    settle(mgr, w)
+    reg = w.transfer(MGR, REGISTER, sync=True, mtype="default")
+    answer = mgr.wait_event(lambda e: e["event"] == "action_sent" and e.get("reply_to") == reg["uuid"])
+    assert (answer["code"], answer["ack_src"]) == (0, w.pos), answer
+    assert received(w, answer["uuid"])["body"] == '{"msg_type":"ACTION","code":710,"message":"","extension":null}'
+
+
+def test_a_rejoin_leaves_the_dead_stream_in_the_entry_until_the_new_one_is_installed(peers, mgr):
+    w = join(peers, mgr, 0, 3)
+    mgr.config(stream_delay=3.0)
+    since = mgr.mark()
+    w.drop()
+    mgr.wait_event(lambda e: e["event"] == "stream_closed" and e["pos"] == w.pos, since=since)
+    mgr.wait_event(lambda e: e["event"] == "registered" and e["pos"] == w.pos and e["replaced"], since=since)
+    # TaskD keeps the entry and its old stream: sending on it fails (6000), not "not inited".
+    sent = mgr.transfer(w.pos, "between", sync=True)
+    assert (sent["code"], sent["ack_src"]) == (6000, None), sent
+    mgr.wait_event(lambda e: e["event"] == "stream" and e["pos"] == w.pos, since=since)
+    settle(mgr, w)
+
+
 def test_stream_without_register_is_refused(mgr):
     stranger = pos("Worker", 5, 40)
     with raw_client(mgr) as stub:

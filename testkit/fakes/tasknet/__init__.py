@@ -10,22 +10,27 @@ Positions in JSON: ``{"role", "server_rank", "process_rank"}``.  Every stdout li
 A ``send`` command carries ``{uuid, dst, body | body_size, sync, mtype}``; ``body_size`` N makes the
 body "x" * N inside the peer.
 
-Manager (``manager --listen HOST:PORT``; position {Mgr,"0","-1"}):
+Manager (``manager --listen HOST:PORT [--config JSON]``; position {Mgr,"0","-1"}):
   events   ready{port} | registered{pos,replaced} | path{uuid,proxy_pos,path} | stream{pos} |
            stream_closed{pos} | stream_refused{pos} | ack{pos,uuid,code,src} |
            received{uuid,mtype,sync,src,dst,body} | transfer_refused{uuid,dst,code} |
            routed{uuid,src,dst,code,ack_src,error[,hops,failed]} (a direct client's message routed down) |
            sent{uuid,code,ack_src,error[,hops,failed]} (broadcast: one hop per copy, duplicates kept) |
            worker_registered{name,pos} | status{name,code} | status_dropped{name,code} |
-           action_sent{name,uuid,uuids,code,ack_src,error,tries} | action_done{code,workers} |
+           action_sent{name,uuid,uuids,code,ack_src,error,tries[,reply_to]} | action_done{code,workers} |
            workers{workers:{name:{pos,status}}} | routes{routes} | entries{entries} |
            configured | error{error}
   commands send{...} -> sent | action{code:700|701|710|711,tries?=1,retry_interval?=3.0}
            -> action_sent per registered worker, then action_done | workers -> workers |
            routes -> routes | entries -> entries |
-           config{transfer_code?,transfer_delay?,register_delay?,path_delay?} -> configured | quit
+           config{transfer_code?,transfer_delay?,register_delay?,path_delay?,stream_delay?,
+           register_reply?,register_reply_tries?} -> configured | quit
   business bodies (JSON MsgBody) of messages for the Mgr: REGISTER -> worker "Worker"+src.processRank
-           at src (re-REGISTER overwrites, clears status) | STATUS -> status or status_dropped
+           at src (re-REGISTER overwrites, clears status; with register_reply, an ACTION back at once:
+           action_sent{...,reply_to=REGISTER's uuid}) | STATUS -> status or status_dropped
+  a down stream is installed stream_delay s after it was accepted ("stream" event); sends to its
+           position before that answer 6002 "stream not inited", as TaskD's do (after a re-Register,
+           6000: TaskD's entry keeps the ended stream until the new one is installed)
 
 Worker (``worker --proxy HOST:PORT --server-rank N [--process-rank M] [--role Worker|Agent]``):
   events   ready{pos,confirmed} | rejoined{pos,confirmed} | join_failed{error} | stream_lost{error} |

@@ -180,7 +180,8 @@ class PeerProcess:
 
     def config(self, **knobs) -> dict:
         """Set knobs (worker: auto_ack, ack_code, ack_delay; manager: transfer_code, transfer_delay,
-        register_delay, path_delay); returns the "configured" event."""
+        register_delay, path_delay, stream_delay, register_reply, register_reply_tries); returns the
+        "configured" event."""
         return self.request("config", "configured", **knobs)
 
     def drop(self, timeout: float = 10.0) -> dict:
@@ -234,9 +235,12 @@ class PeerProcess:
         self.stop()
 
 
-def manager(listen: str, env: dict | None = None, ready_timeout: float = 30.0) -> PeerProcess:
-    """A manager peer, once it listens; ``port`` is the bound port and ``address`` the host:port to dial."""
-    peer = PeerProcess(["manager", "--listen", listen], env, name=f"manager@{listen}")
+def manager(listen: str, env: dict | None = None, ready_timeout: float = 30.0,
+            config: dict | None = None) -> PeerProcess:
+    """A manager peer, once it listens; ``port`` is the bound port and ``address`` the host:port to dial.
+    `config`: knobs (as ``PeerProcess.config`` takes them) in force before anyone can connect."""
+    args = ["manager", "--listen", listen] + (["--config", json.dumps(config)] if config else [])
+    peer = PeerProcess(args, env, name=f"manager@{listen}")
     try:
         peer.port = peer.wait_event("ready", ready_timeout)["port"]
         peer.address = f"{listen.rsplit(':', 1)[0]}:{peer.port}"

@@ -5,7 +5,15 @@ Re-implemented from TaskD's net layer as its code behaves, server side only (the
 What it keeps is what TaskD's downstream endpoint keeps:
 
 * ``entries``: one per registered position; holds that client's down stream once it is open.
-  Re-registering a position cancels the old entry (which ends its stream) and starts a new one.
+  Re-registering a position cancels the old entry (which ends its stream) and starts a new one that
+  still points at the old, dead stream until the new one is installed, as TaskD's entry does: sends
+  in between fail with NetworkSendLost 6000.
+* opening a down stream takes a moment: TaskD's handler stores the stream in the entry when it gets
+  to run, and until then a send to that position answers NetStreamNotInited 6002 ("stream not
+  inited"); a manager that answers at once (a REGISTER with an ACTION) loses its answer that way.
+  The ``stream_delay`` knob stretches that moment (a busy manager).  The early headers this manager
+  sends say the call was taken, not that the stream is installed (TaskD sends none at all), so a
+  client cannot use them to know the way down is open.
 * ``routes``: ``routeTable[p] = proxyPos`` for every ``p`` of every PathDiscovery (overwritten, never
   pruned, no check that anyone registered).
 
@@ -23,9 +31,11 @@ destination is below the Mgr):
 Messages for the Mgr are acked ``{code 0, src=Mgr}`` once taken, before the business layer looks at
 them (so a REGISTER or STATUS is acked 0 even when the business layer then drops it).  The business
 layer here knows two body types (JSON MsgBody): REGISTER (a worker named "Worker"+src.processRank at
-position src) and STATUS (that worker's profiling state).  The ``action`` command plays the profiling
-plugin: one sync unicast ACTION per registered worker, retried only on a local failure, because TaskD's
-callers check only the Go error (an Ack 5001/5002 from a later hop counts as delivered).
+position src; with the ``register_reply`` knob answered at once with that ACTION, one sync unicast,
+``register_reply_tries`` tries 3 s apart) and STATUS (that worker's profiling state).  The ``action``
+command plays the profiling plugin: one sync unicast ACTION per registered worker, retried only on a
+local failure, because TaskD's callers check only the Go error (an Ack 5001/5002 from a later hop
+counts as delivered).
 
 Nothing survives a restart: a new process starts with no entries, routes or workers.
 """
@@ -58,6 +68,7 @@ SERVER_OPTIONS = [
 
 # Sent as soon as a down stream is accepted, so a client can tell "accepted" from "not yet
 # refused" without waiting (TaskD itself sends no early headers; this is harmless to clients).
+# They come before the stream is installed: they do not mean sends to the client work yet.
 ACCEPTED_METADATA = (("tasknet-stream", "accepted"),)
 
 PROFILING_CODES = (700, 701, 710, 711)  # all off, comm on, default on, both on
@@ -103,6 +114,13 @@ class Manager(pb_grpc.TaskNetServicer):
         self.transfer_delay = 0.0
         self.register_delay = 0.0
         self.path_delay = 0.0
+        # How long an accepted down stream takes to be installed in its entry (TaskD: until its
+        # handler runs; long on a busy manager); sends to the position meanwhile answer 6002.
+        self.stream_delay = 0.0
+        # The ACTION code to answer each REGISTER with at once (None: no answer), and its tries.
+        self.register_reply: int | None = None
+        self.register_reply_tries = 1
+        self.replies: set[asyncio.Task] = set()
 
     # ---- RPCs -----------------------------------------------------------------------------------
 
@@ -115,7 +133,9 @@ class Manager(pb_grpc.TaskNetServicer):
             old.closed.set()  # ends the old stream, like cancelling the old entry's context
         elif len(self.entries) >= MAX_REGISTRATIONS:
             return pb.Ack(uuid=request.uuid, code=EXCEED_MAX_REGISTRY_NUM, src=self.pos.pb())
-        self.entries[pos] = Entry(pos)
+        # TaskD keeps the entry, stream included: until a new stream is installed, sends go to the
+        # ending one and fail with 6000, not 6002.
+        self.entries[pos] = Entry(pos, stream=old.stream if old is not None else None)
         self.emit(event="registered", pos=pos.json(), replaced=old is not None)
         return pb.Ack(uuid=request.uuid, code=OK, src=self.pos.pb())
 
@@ -173,8 +193,11 @@ class Manager(pb_grpc.TaskNetServicer):
             self.emit(event="stream_refused", pos=pos.json())
             await context.abort(grpc.StatusCode.UNKNOWN, "un registry error")
         stream = DownStream(context)
-        entry.stream = stream
         await context.send_initial_metadata(ACCEPTED_METADATA)
+        if self.stream_delay > 0:
+            await asyncio.sleep(self.stream_delay)  # simulated slowness, not synchronisation
+            entry = self.entries.get(pos, entry)  # TaskD installs it in the position's entry of now
+        entry.stream = stream
         self.emit(event="stream", pos=pos.json())
         reader = asyncio.create_task(self._read_acks(request_iterator, entry, stream))
         replaced = asyncio.create_task(entry.closed.wait())
@@ -210,6 +233,11 @@ class Manager(pb_grpc.TaskNetServicer):
         if body["msg_type"] == "REGISTER":
             self.workers[name] = WorkerRecord(src)  # a re-REGISTER overwrites and clears the status
             self.emit(event="worker_registered", name=name, pos=src.json())
+            if self.register_reply is not None:
+                task = asyncio.create_task(self._send_action(name, self.register_reply, self.register_reply_tries,
+                                                             3.0, reply_to=msg.header.uuid))
+                self.replies.add(task)
+                task.add_done_callback(self.replies.discard)
         elif body["msg_type"] == "STATUS":
             record = self.workers.get(name)
             if record is None:  # TaskD: "worker name is unregistered", after having acked 0
@@ -224,27 +252,27 @@ class Manager(pb_grpc.TaskNetServicer):
         tries = max(1, int(cmd.get("tries", 1)))
         interval = float(cmd.get("retry_interval", 3.0))
         names = sorted(self.workers)
-        body = msg_body("ACTION", code)
-
-        async def one(name: str) -> None:
-            target = self.workers[name].pos
-            used = []
-            for attempt in range(1, tries + 1):
-                uuid = str(uuidlib.uuid4())  # a fresh message per try, as each send builds a new frame
-                used.append(uuid)
-                msg = build_message({"uuid": uuid, "dst": target.json(), "mtype": "default", "body": body},
-                                    self.pos, sync=True)
-                result = await self._unicast(msg, target, wait_ack=True)
-                # Only a Go error is a failure; an Ack (whatever its code) came from a later hop.
-                failed = result["code"] != OK and result.get("ack_src") is None
-                if not failed or attempt == tries:
-                    break
-                await asyncio.sleep(interval)  # the caller's retry policy, not synchronisation
-            self.emit(event="action_sent", name=name, uuid=uuid, uuids=used, code=result["code"],
-                      ack_src=result.get("ack_src"), error=result.get("error"), tries=attempt)
-
-        await asyncio.gather(*(one(n) for n in names))
+        await asyncio.gather(*(self._send_action(n, code, tries, interval) for n in names))
         self.emit(event="action_done", code=code, workers=names)
+
+    async def _send_action(self, name: str, code: int, tries: int, interval: float, **extra) -> None:
+        """One worker's ACTION: a sync unicast to where it said REGISTER from, retried on a local failure."""
+        target = self.workers[name].pos
+        body = msg_body("ACTION", code)
+        used = []
+        for attempt in range(1, tries + 1):
+            uuid = str(uuidlib.uuid4())  # a fresh message per try, as each send builds a new frame
+            used.append(uuid)
+            msg = build_message({"uuid": uuid, "dst": target.json(), "mtype": "default", "body": body},
+                                self.pos, sync=True)
+            result = await self._unicast(msg, target, wait_ack=True)
+            # Only a Go error is a failure; an Ack (whatever its code) came from a later hop.
+            failed = result["code"] != OK and result.get("ack_src") is None
+            if not failed or attempt == tries:
+                break
+            await asyncio.sleep(interval)  # the caller's retry policy, not synchronisation
+        self.emit(event="action_sent", name=name, uuid=uuid, uuids=used, code=result["code"],
+                  ack_src=result.get("ack_src"), error=result.get("error"), tries=attempt, **extra)
 
     def worker_map(self) -> dict:
         return {name: {"pos": r.pos.json(), "status": r.status} for name, r in sorted(self.workers.items())}
@@ -313,8 +341,8 @@ class Manager(pb_grpc.TaskNetServicer):
     async def _send_to(self, entry: Entry, msg: pb.Message, wait_ack: bool) -> dict:
         async with entry.lock:
             stream = entry.stream
-            if stream is None:
-                return {"code": NET_STREAM_NOT_INITED, "ack_src": None, "error": f"{entry.pos} has no stream"}
+            if stream is None:  # TaskD's own words (a Go error: the caller gets only this text)
+                return {"code": NET_STREAM_NOT_INITED, "ack_src": None, "error": "stream not inited"}
             if not stream.alive:
                 return {"code": NETWORK_SEND_LOST, "ack_src": None, "error": f"stream of {entry.pos} is closed"}
             try:
@@ -345,16 +373,24 @@ class Manager(pb_grpc.TaskNetServicer):
                 for e in self.entries.values()]
 
     def configure(self, cmd: dict) -> None:
-        for knob in ("transfer_delay", "register_delay", "path_delay"):
+        for knob in ("transfer_delay", "register_delay", "path_delay", "stream_delay"):
             if knob in cmd:
                 setattr(self, knob, float(cmd[knob]))
         if "transfer_code" in cmd:
             self.transfer_code = int(cmd["transfer_code"])
+        if "register_reply" in cmd:
+            reply = cmd["register_reply"]
+            if reply is not None and int(reply) not in PROFILING_CODES:
+                raise ValueError(f"register_reply must be one of {PROFILING_CODES} or null: {reply!r}")
+            self.register_reply = None if reply is None else int(reply)
+        if "register_reply_tries" in cmd:
+            self.register_reply_tries = max(1, int(cmd["register_reply_tries"]))
 
 
-async def run(listen: str) -> int:
+async def run(listen: str, config: dict | None = None) -> int:
     emit = Emitter()
     manager = Manager(emit)
+    manager.configure(config or {})  # knobs in force from the first call (a restarted manager's too)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_TaskNetServicer_to_server(manager, server)
     log.info("manager binding %s", listen)

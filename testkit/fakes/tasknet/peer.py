@@ -1,6 +1,6 @@
 """Entry point: run one TaskNet peer as its own process, driven by JSON lines on stdin/stdout.
 
-    python -m testkit.fakes.tasknet.peer manager --listen HOST:PORT
+    python -m testkit.fakes.tasknet.peer manager --listen HOST:PORT [--config JSON]
     python -m testkit.fakes.tasknet.peer worker --proxy HOST:PORT --server-rank N --process-rank M
                                               [--role Worker|Agent] [--retry-interval 0.2]
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -25,6 +26,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     roles = parser.add_subparsers(dest="kind", required=True)
     mgr = roles.add_parser("manager", help="a TaskD manager (Mgr, level 3): a TaskNet server")
     mgr.add_argument("--listen", required=True, help="HOST:PORT (port 0 picks one; see the ready event)")
+    mgr.add_argument("--config", type=json.loads, default=None,
+                     help='knobs in force from the start, as the config command takes them: {"stream_delay": 1}')
     wrk = roles.add_parser("worker", help="a TaskD worker or agent (level 1): a TaskNet client")
     wrk.add_argument("--proxy", required=True, help="HOST:PORT of the upstream (proxy, or a manager directly)")
     wrk.add_argument("--server-rank", required=True)
@@ -46,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(stream=sys.stderr, level=os.environ.get("TASKNET_PEER_LOG", "INFO"),
                         format=f"%(asctime)s {args.kind} %(levelname)s %(message)s")
     if args.kind == "manager":
-        code = asyncio.run(manager_peer.run(args.listen))
+        code = asyncio.run(manager_peer.run(args.listen, args.config))
     else:
         pos = (Pos("Worker", args.server_rank, args.process_rank) if args.role == "Worker"
                else Pos("Agent", args.server_rank, "-1"))
