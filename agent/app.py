@@ -22,6 +22,7 @@ driver or file system) it keeps apart so that its other calls go on:
 - taskd-peers: 2 (/proc walks identifying processes that connect);
 - telemetry: 2, and one stuck read per chip and kind (npu-exporter's families, when enabled; apart from
   the driver lane so that a hung telemetry call never delays a fault poll);
+- metrics: 1 (formatting and compressing a /metrics page; requests that arrive meanwhile share it);
 - default: 2 (asyncio's default executor, e.g. getaddrinfo).
 Threads start on demand and end after a minute without work, so an idle agent holds the few the
 device polls use; the bound on threads is the sum of the lanes' numbers.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import resource
 import signal
 import time
 from dataclasses import dataclass
@@ -138,7 +140,10 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     kube_lane = executor.lane("kube", watches + 2)
 
     # The fault pipeline: durable log -> hub (current state, stream fan-out) -> sinks.
-    fault_log = FaultLog(state_dir / "faultlog", lane=executor.lane("fault-log"))
+    # The sinks that keep a cursor in the log (by their names there); a cursor of another sink retires.
+    fault_log = FaultLog(state_dir / "faultlog", lane=executor.lane("fault-log"), clock=clock,
+                         sinks=["clusterd"] if config.clusterd.enabled else [],
+                         retire_after_s=config.fault_log.retire_unconfigured_cursors_after_seconds)
     fault_log.open()
     recent = fault_log.changes_after(max(0, fault_log.revision - HUB_KEEP)) or []
     hub = FaultHub(node, keep=HUB_KEEP, epoch=fault_log.epoch, history=recent, latest=fault_log.latest())
@@ -264,16 +269,32 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     readiness = Readiness([*first, *rest])  # the endpoint that answers /readyz is ready by answering
     collectors[:0] = [AgentCollector(node, monitor, faults, hub, fault_log, sinks, readiness.ready_by_component,
                                      pods_of), ExecutorCollector(node, executor)]
-    http = HttpEndpoint(config.http.listen, make_registry(*collectors), readiness.check)
+    http = HttpEndpoint(config.http.listen, make_registry(*collectors), readiness.check, lane=executor.lane("metrics"))
     supervisor = Supervisor([*first, http, *rest])
     return App(config, executor, supervisor, readiness, hub, fault_log, faults, monitor, http, servers[0], pods_of,
                followers, telemetry)
+
+
+def raise_open_files_limit() -> None:
+    """The soft descriptor limit up to the hard one: container runtimes leave 1024, which a burst of
+    connections would use up (then nothing opens: not the fault log, not a probe's connection)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20  # the kernel refuses more than fs.nr_open
+    try:
+        if wanted > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("cannot raise the open files limit; keeping it", extra={"soft": soft, "hard": hard,
+                                                                            "error": str(exc)})
+        return
+    log.info("open files limit", extra={"was": soft, "soft": max(soft, wanted), "hard": hard})
 
 
 async def serve(config: Config, stop: asyncio.Event | None = None, backend: DeviceBackend | None = None,
                 on_started: Callable[[App], None] | None = None) -> int:
     """Run the agent until `stop` is set or SIGTERM/SIGINT arrives; returns the exit code."""
     stop = stop or asyncio.Event()
+    raise_open_files_limit()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:

@@ -55,6 +55,15 @@ class DevicesConfig:
 
 
 @dataclass
+class FaultLogConfig:
+    # A sink switched off (e.g. clusterd.enabled: false) keeps its place in the fault log this long
+    # from the first start without it, so that switched back on within it, it resumes where it was.
+    # Meanwhile the log keeps every change since that place; then the cursor is dropped, and a sink
+    # switched on later resynchronises its peer from the current state.
+    retire_unconfigured_cursors_after_seconds: float = 86400.0
+
+
+@dataclass
 class FaultsConfig:
     fault_code_file: str = ""
     customization_file: str = ""
@@ -148,6 +157,7 @@ class TelemetryConfig:
 class Config:
     node_name: str = ""
     state_dir: str = "/var/lib/npu-node-agent"
+    fault_log: FaultLogConfig = field(default_factory=FaultLogConfig)
     log: LogConfig = field(default_factory=LogConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     grpc: GrpcConfig = field(default_factory=GrpcConfig)
@@ -372,6 +382,9 @@ def validate(config: Config) -> list[str]:
           "digits, '-' and '.', starting and ending with a letter or digit, at most 253 characters); "
           "set node_name or NODE_NAME")
     check(bool(config.state_dir), "state_dir", "must not be empty")
+    retire = config.fault_log.retire_unconfigured_cursors_after_seconds
+    check(0 <= retire <= 2_592_000, "fault_log.retire_unconfigured_cursors_after_seconds",
+          f"{retire} is out of range 0..2592000 (30 days)")
     check_listen("http.listen", config.http.listen)
     check_listen("grpc.listen", config.grpc.listen)
     check_listen("clusterd.address", config.clusterd.address)

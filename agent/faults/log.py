@@ -13,6 +13,11 @@ Each sink keeps a cursor, and a small state of its own, in `cursors.json`, advan
 peer acknowledged; compaction folds only what every sink has passed (and what the stream no longer
 needs for resuming) into the base record. A write that fails raises OSError and changes nothing.
 
+A sink the configuration no longer runs would hold compaction back for good, so its cursor is
+retired: kept for `retire_after_s` from the first start without it (a sink switched off by mistake
+and back on within that while resumes where it was), then dropped. Its own state stays (small, and
+still true of its peer): switched on later, the sink resynchronises its peer from it.
+
 On the event loop the `*_async` methods are used: the state is computed on the loop, the bytes go
 to disk in the fault log's lane of the executor (`lane`), one write at a time and in order. A write
 is never abandoned (one whose outcome is unknown cannot be retried: it may still land), so a slow
@@ -25,11 +30,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
+import time
 import zlib
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable
 
 from agent.model import ActiveCode, Change, DeviceState, Health, Level
 from agent.common.executor import Lane
@@ -38,6 +46,7 @@ from agent.common.fsutil import atomic_write, keep_aside, read_state, strict_jso
 log = logging.getLogger(__name__)
 
 SLOW_WRITE_S = 5.0  # a write that has not returned by then makes the fault log "stalled" until it does
+RETIRE_AFTER_S = 86400.0  # config.FaultLogConfig's default
 
 
 def state_to_dict(state: DeviceState) -> dict:
@@ -83,17 +92,30 @@ def _int(value) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
+def _time(value) -> float | None:
+    """A saved wall-clock time, or None when it is not a finite number (the while then starts again)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
 @dataclass
 class SinkEntry:
-    revision: int  # everything up to here is acknowledged by the sink's peer
+    revision: int | None  # everything up to here is acknowledged by the sink's peer; None: retired
     epoch: str  # the log epoch `revision` belongs to
     state: dict | None = None  # the sink's own record of its peer, saved with the cursor
+    unconfigured_since: float | None = None  # wall clock: the first start whose configuration lacked the sink
 
 
 class FaultLog:
     def __init__(self, directory: Path, keep_recent: int = 4096, fsync: bool = True, lane: Lane | None = None,
-                 slow_write_s: float = SLOW_WRITE_S):
+                 slow_write_s: float = SLOW_WRITE_S, sinks: Iterable[str] | None = None,
+                 retire_after_s: float = RETIRE_AFTER_S, clock: Callable[[], float] = time.time):
         self._dir = Path(directory)
+        # The sinks this configuration runs (None: every sink with a cursor); the others' cursors retire.
+        self._configured = None if sinks is None else frozenset(sinks)
+        self._retire_after_s = retire_after_s
+        self._clock = clock  # wall clock: the start of a retirement is saved, and must mean the same after a restart
         self._lane = lane  # where the *_async methods write
         self._slow_write_s = slow_write_s
         self._busy = asyncio.Lock()  # one *_async operation at a time: revisions are assigned in order
@@ -130,7 +152,8 @@ class FaultLog:
         if not self.epoch and existed:
             reasons.append("meta.json is missing or unreadable")
         if self.epoch:
-            held = max([_int(saved.get("revision")), *(e.revision for e in self._sinks.values() if e.epoch == epoch)])
+            held = max([_int(saved.get("revision")),
+                        *(e.revision for e in self._sinks.values() if e.epoch == epoch and e.revision is not None)])
             if not existed and held:
                 reasons.append("the log file is missing")
             elif self.revision < held:
@@ -147,7 +170,8 @@ class FaultLog:
                 log.warning("fault log lost records it had; starting a new epoch (sinks resynchronise from the "
                             "current state, stream clients get a snapshot)",
                             extra={"path": str(self._path), "reasons": reasons, "revision": self.revision})
-        self._save_cursors()  # until close() says otherwise, this run did not end cleanly
+        self._retire()
+        self._save_cursors()  # until close() says otherwise, this run did not end cleanly (and retirements)
 
     def _read_json(self, path: Path, what: str) -> dict:
         return read_state(path, what, _object) or {}
@@ -164,8 +188,10 @@ class FaultLog:
         for name, item in items.items():
             try:
                 state = item.get("state")
-                sinks[name] = SinkEntry(int(item["revision"]), str(item["epoch"]),
-                                        state if isinstance(state, dict) else None)
+                revision = item["revision"]
+                sinks[name] = SinkEntry(None if revision is None else int(revision), str(item["epoch"]),
+                                        state if isinstance(state, dict) else None,
+                                        _time(item.get("unconfigured_since")))
             except (AttributeError, KeyError, TypeError, ValueError):
                 log.error("a sink's cursor is malformed; that sink resynchronises its peer",
                           extra={"path": str(self._dir / "cursors.json"), "sink": name})
@@ -350,7 +376,8 @@ class FaultLog:
         """Where `sink` stands in this epoch; None when it has no usable position (new, from another
         epoch, or behind what compaction kept): it must resynchronise its peer from `latest()`."""
         entry = self._sinks.get(sink)
-        if entry is None or entry.epoch != self.epoch or not self._base_revision <= entry.revision <= self.revision:
+        if (entry is None or entry.revision is None or entry.epoch != self.epoch
+                or not self._base_revision <= entry.revision <= self.revision):
             return None
         return entry.revision
 
@@ -405,9 +432,39 @@ class FaultLog:
 
     def _cursors_data(self, clean: bool = False) -> bytes:
         data = {"epoch": self.epoch, "revision": self.revision, "clean": clean,
-                "sinks": {name: {"revision": e.revision, "epoch": e.epoch, **({"state": e.state} if e.state else {})}
+                "sinks": {name: {"revision": e.revision, "epoch": e.epoch, **({"state": e.state} if e.state else {}),
+                                 **({"unconfigured_since": e.unconfigured_since}
+                                    if e.unconfigured_since is not None else {})}
                           for name, e in sorted(self._sinks.items())}}
         return json.dumps(data, sort_keys=True).encode()
+
+    # ---- retiring the cursors of sinks no longer configured -----------------------------------
+
+    def _retire(self) -> bool:
+        """Start, end or finish the retirement of each cursor (see the module's doc); True when one was
+        dropped. The configuration is read once per run, so a sink starts or stops retiring only at open."""
+        if self._configured is None:
+            return False
+        now = self._clock()
+        dropped = False
+        for name, entry in self._sinks.items():
+            if name in self._configured:
+                entry.unconfigured_since = None  # back within the while: it resumes from its cursor
+                continue
+            if entry.revision is None:
+                continue
+            if entry.unconfigured_since is None:
+                entry.unconfigured_since = now
+                log.info("cursor of a sink that is not configured; kept for a while, then dropped", extra={
+                    "sink": name, "revision": entry.revision, "drop_after_s": self._retire_after_s})
+            # A clock stepped back (or a saved time in the future) must not keep it for good.
+            entry.unconfigured_since = min(entry.unconfigured_since, now)
+            if now - entry.unconfigured_since >= self._retire_after_s:
+                entry.revision = None
+                dropped = True
+                log.info("cursor of a sink no longer configured dropped; the fault log compacts without it", extra={
+                    "sink": name, "unconfigured_for_s": round(now - entry.unconfigured_since)})
+        return dropped
 
     # ---- compaction ---------------------------------------------------------------------------
 
@@ -419,6 +476,11 @@ class FaultLog:
         return None if dead < 1024 or dead * 2 < len(self._records) else boundary
 
     def _maybe_compact(self) -> None:
+        if self._retire():
+            try:
+                self._save_cursors()
+            except OSError:  # saved with the next commit, or dropped again at the next open
+                pass
         boundary = self._compaction_due()
         if boundary is None:
             return
@@ -428,6 +490,11 @@ class FaultLog:
             log.warning("fault log compaction failed", extra={"error": str(exc), "records": len(self._records)})
 
     async def _compact_async(self) -> None:
+        if self._retire():
+            try:
+                await self._io(atomic_write, self._dir / "cursors.json", self._cursors_data())
+            except OSError:  # saved with the next commit, or dropped again at the next open
+                pass
         boundary = self._compaction_due()
         plan = self._compaction(boundary) if boundary is not None else None
         if plan is None:

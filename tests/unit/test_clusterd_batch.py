@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from agent.sinks.clusterd.batch import (RECOVERED_KEEP_S, RECOVERED_MAX, ClusterdView, plan, reassertion, requests,
-                                         resync)
+from agent.sinks.clusterd.batch import (RECOVERED_KEEP_S, RECOVERED_MAX, ClusterdView, current, plan, reassertion,
+                                         requests, resync)
 from agent.model import Change, DeviceState, Level
 from agent.sinks.clusterd.pubfault import PublicFault, public_faults
 
@@ -139,6 +139,25 @@ def test_reassertion_repeats_every_held_key_and_recent_recover():
     assert names(reassertion(view)) == [("occur", ids(held)), ("recover", ids(gone))]
     assert reassertion(ClusterdView()) == []
     assert [len(r) for r in requests(reassertion(view) * 60)] == [100, 20]
+
+
+def test_a_reassertion_made_again_leaves_out_the_occurs_of_faults_gone_since():
+    log = Log()
+    log.add(1, Level.SeparateNPU)
+    log.add(2, Level.SeparateNPU)
+    stays = log.add(3, Level.SeparateNPU)
+    unknown = log.add(4, Level.SeparateNPU)
+    gone = log.add(5, Level.SeparateNPU)
+    step = plan({}, 0, log.after(0), wanted_of)
+    view = ClusterdView().acknowledged(step.transitions, step.held, now_ms=T)
+    step = plan(view.held, 5, [log.add(5, at_ms=T + 1)], wanted_of)
+    view = view.acknowledged(step.transitions, step.held, now_ms=T)  # the view: 1-4 held, 5 recovered
+    # While the re-assertion waited, device 1 recovered and device 2 moved to another level (the log
+    # has it, the view not yet); device 4's state is not known.
+    now = {c.state.phy_id: wanted_of(c) for c in [log.add(1, at_ms=T + 2), log.add(2, Level.RestartNPU, T + 2), stays]}
+    assert names(current(reassertion(view), now)) == [("occur", ids(stays)), ("occur", ids(unknown)),
+                                                       ("recover", ids(gone))]
+    assert current(reassertion(view), {}) == reassertion(view)
 
 
 def test_the_view_survives_its_own_serialisation():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import zlib
 
@@ -13,6 +14,7 @@ from agent.common.executor import Executor
 from agent.model import ActiveCode, DeviceState, Health, Level
 from agent.faults.log import FaultLog
 from testkit.wait import until
+from tests.support.clock import FakeClock
 
 
 def state(phy: int, code: int | None = None) -> DeviceState:
@@ -284,3 +286,129 @@ def test_a_write_that_does_not_return_makes_the_log_stalled_until_it_does(tmp_pa
         executor.close()
 
     asyncio.run(body())
+
+
+# ---- the cursor of a sink that is switched off ---------------------------------------------------
+
+DAY = 86400.0
+RETIRING = "cursor of a sink that is not configured; kept for a while, then dropped"
+DROPPED = "cursor of a sink no longer configured dropped; the fault log compacts without it"
+
+
+@pytest.fixture
+def info_log(caplog):
+    caplog.set_level(logging.INFO, logger="agent.faults.log")  # the retirement's lines are info
+    return caplog
+
+
+def lines(tmp_path) -> int:
+    return len((tmp_path / "faultlog" / "log").read_bytes().splitlines())
+
+
+def saved_sinks(tmp_path) -> dict:
+    return json.loads((tmp_path / "faultlog" / "cursors.json").read_text())["sinks"]
+
+
+def switched_off(tmp_path, clock, **kwargs) -> FaultLog:
+    """A run that acknowledged up to revision 0 for clusterd, then a start with clusterd switched off."""
+    on = opened(tmp_path, keep_recent=10, sinks=["clusterd"], clock=clock)
+    on.commit("clusterd", 0, {"held": ["x"]})
+    on.close()
+    return opened(tmp_path, keep_recent=10, sinks=[], retire_after_s=DAY, clock=clock, **kwargs)
+
+
+@pytest.mark.parametrize("elapsed, kept", [(DAY - 1, True), (DAY, False)])
+def test_a_switched_off_sinks_cursor_holds_the_log_for_a_while_then_is_dropped(tmp_path, info_log, elapsed, kept):
+    clock = FakeClock()
+    log = switched_off(tmp_path / "a", clock)
+    clock.advance(elapsed)
+    for i in range(3000):
+        log.append([state(i % 4, 0x80E18402 if i % 2 else None)])
+    # The same appends in a log that never had the cursor: what the configured sinks need.
+    alone = opened(tmp_path / "b", keep_recent=10, sinks=[])
+    for i in range(3000):
+        alone.append([state(i % 4, 0x80E18402 if i % 2 else None)])
+    if kept:  # switched back on now, it would resume from its cursor
+        assert log.cursor("clusterd") == 0 and len(log.changes_after(0)) == 3000
+        assert DROPPED not in info_log.text
+    else:
+        assert (lines(tmp_path / "a"), lines(tmp_path / "b")) == (953, 953)  # base record + 952 changes
+        assert log.cursor("clusterd") is None
+        assert info_log.text.count(DROPPED) == 1
+        assert log.sink_state("clusterd") == {"held": ["x"]}  # what it knew of its peer, for a resync
+        assert saved_sinks(tmp_path / "a")["clusterd"]["revision"] is None  # saved at once, not at a clean stop
+    assert info_log.text.count(RETIRING) == 1
+
+
+def test_the_while_counts_from_the_first_start_without_the_sink_across_restarts(tmp_path, info_log):
+    clock = FakeClock()
+    switched_off(tmp_path, clock).close()
+    clock.advance(DAY - 1)
+    again = opened(tmp_path, keep_recent=10, sinks=[], retire_after_s=DAY, clock=clock)
+    assert again.cursor("clusterd") == 0
+    again.close()
+    clock.advance(1)
+    third = opened(tmp_path, keep_recent=10, sinks=[], retire_after_s=DAY, clock=clock)
+    assert third.cursor("clusterd") is None
+    third.close()
+    fourth = opened(tmp_path, keep_recent=10, sinks=["clusterd"], retire_after_s=DAY, clock=clock)
+    assert fourth.cursor("clusterd") is None and fourth.sink_state("clusterd") == {"held": ["x"]}
+    assert (info_log.text.count(RETIRING), info_log.text.count(DROPPED)) == (1, 1)  # once each, over four starts
+
+
+def test_a_sink_switched_back_on_within_the_while_resumes_and_its_while_starts_afresh(tmp_path):
+    clock = FakeClock()
+    off = switched_off(tmp_path, clock)
+    for i in range(3000):
+        off.append([state(i % 4, 0x80E18402 if i % 2 else None)])
+    off.close()
+    clock.advance(DAY - 1)
+    on = opened(tmp_path, keep_recent=10, sinks=["clusterd"], retire_after_s=DAY, clock=clock)
+    assert on.cursor("clusterd") == 0 and len(on.changes_after(0)) == 3000
+    assert on.sink_state("clusterd") == {"held": ["x"]}
+    assert "unconfigured_since" not in saved_sinks(tmp_path)["clusterd"]
+    on.close()
+    clock.advance(2)  # past the first while: switched off again, the while starts again
+    again = opened(tmp_path, keep_recent=10, sinks=[], retire_after_s=DAY, clock=clock)
+    assert again.cursor("clusterd") == 0
+
+
+@pytest.mark.parametrize("since", ['"yesterday"', "true", "[1]", "null", "{}", "4e12"])  # 4e12: far in the future
+def test_a_retirement_time_of_the_wrong_shape_starts_the_while_again(tmp_path, since):
+    clock = FakeClock()
+    switched_off(tmp_path, clock).close()
+    path = tmp_path / "faultlog" / "cursors.json"
+    path.write_text(path.read_text().replace('"unconfigured_since": 1800000000.0', f'"unconfigured_since": {since}'))
+    clock.advance(DAY - 1)
+    again = opened(tmp_path, keep_recent=10, sinks=[], retire_after_s=DAY, clock=clock)
+    assert again.cursor("clusterd") == 0
+    again.close()
+    clock.advance(DAY)
+    assert opened(tmp_path, keep_recent=10, sinks=[], retire_after_s=DAY, clock=clock).cursor("clusterd") is None
+
+
+def test_a_retired_cursor_saved_as_null_is_read_back_without_an_error(tmp_path, info_log):
+    clock = FakeClock()
+    switched_off(tmp_path, clock).close()
+    clock.advance(DAY)
+    opened(tmp_path, keep_recent=10, sinks=[], retire_after_s=DAY, clock=clock).close()
+    again = opened(tmp_path, keep_recent=10, sinks=["clusterd"], retire_after_s=DAY, clock=clock)
+    assert again.cursor("clusterd") is None and again.pending("clusterd") == again.revision
+    assert "malformed" not in info_log.text
+
+
+def test_a_retired_cursor_is_dropped_by_writes_off_the_loop_too(tmp_path, info_log):
+    clock = FakeClock()
+
+    async def body():
+        executor = Executor()
+        log = switched_off(tmp_path, clock, lane=executor.lane("fault-log"))
+        clock.advance(DAY)
+        for i in range(1100):
+            await log.append_async([state(i % 4)])
+        assert log.cursor("clusterd") is None and log.changes_after(1000) is None  # compacted past its cursor
+        await log.close_async()
+        executor.close()
+
+    asyncio.run(body())
+    assert saved_sinks(tmp_path)["clusterd"]["revision"] is None and info_log.text.count(DROPPED) == 1

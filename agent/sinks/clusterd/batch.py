@@ -128,5 +128,14 @@ def reassertion(view: ClusterdView) -> list[Transition]:
     return [("occur", f) for f in view.held.values()] + [("recover", f) for f, _ in view.recovered.values()]
 
 
+def current(items: list[Transition], wanted: dict[int, dict[str, PublicFault]]) -> list[Transition]:
+    """`items` without the occurs of faults their device no longer has (`wanted`: the devices' public
+    faults now), for a re-assertion or resync that waited while the device changed. Such a fault's
+    recover is the next change to deliver; an occur just before it would make ClusterD hold the
+    recovered fault for its delete delay (5 s and more). A recover is never stale: keys are not reused."""
+    return [(assertion, f) for assertion, f in items
+            if assertion == "recover" or f.device not in wanted or f.fault_id in wanted[f.device]]
+
+
 def requests(items: list[Transition]) -> list[list[Transition]]:
     return [items[i:i + MAX_FAULTS_PER_REQUEST] for i in range(0, len(items), MAX_FAULTS_PER_REQUEST)]

@@ -13,7 +13,9 @@ that timed out may still land. So the sink re-asserts its view (`clusterd_batch.
 whenever ClusterD may have lost it: at start, when the connection to ClusterD dropped or a request
 failed (and once more `FOLLOW_UP_S` later, for a ClusterD that reloads its cache after it started
 serving), and every `reconcile_interval_seconds`. A node with no fault held or recently recovered
-sends nothing.
+sends nothing. A re-assertion (or resync) that waits out a ClusterD outage is made again at each try:
+sent as built, it would occur faults recovered meanwhile, and ClusterD would hold them for its delete
+delay (5 s and more) after their recover.
 
 The sink never dies: a failed cursor write keeps the cursor in memory and is retried with backoff
 (delivery goes on meanwhile), an unexpected error restarts the delivery loop with backoff, and
@@ -36,10 +38,11 @@ from google.protobuf.json_format import MessageToDict
 from agent._proto import pubfault_pb2 as pb
 from agent._proto import pubfault_pb2_grpc as pb_grpc
 from agent.config import ClusterdConfig
-from agent.sinks.clusterd.batch import ClusterdView, Transition, plan, reassertion, requests, resync
+from agent.sinks.clusterd.batch import ClusterdView, Transition, current, plan, reassertion, requests, resync
 from agent.model import Change, PodsOf, no_pods
 from agent.faults.log import FaultLog
-from agent.sinks.clusterd.pubfault import PublicFault, fault_problems, public_faults, request_problems, to_message
+from agent.sinks.clusterd.pubfault import (MAX_FAULTS_PER_REQUEST, PublicFault, fault_problems, public_faults,
+                                           request_problems, to_message)
 from agent.common.fsutil import WriteRetry
 from agent.common.ratelimit import TokenBucket
 from agent.lifecycle import Tasks
@@ -233,22 +236,23 @@ class ClusterdSink:
             self.unsent += step.unsent
             log.info("fault occurrences that began and ended before they could be sent; not sent", extra={
                 "occurrences": step.unsent})
+        # Sent as planned, however long ClusterD is away: a try that failed may have been applied (a
+        # connection that broke mid-call), so an occur in it is never left out later.
         if step.transitions:
-            await self._send(step.transitions)
+            await self._send(lambda: step.transitions)
         await self._acknowledged(step.transitions, step.held, step.last_revision)
         return self._log.revision > self._cursor
 
     async def _resync(self, why: str) -> None:
         revision = self._log.revision
-        wanted = {phy: self._wanted(change) for phy, change in self._log.latest().items()}
-        items, target = resync(self._view.held, wanted)
+        items, target = resync(self._view.held, self._wanted_now())
         log.info("clusterd sink resynchronising ClusterD from the current state", extra={
             "reason": why, "revision": revision, "held": len(self._view.held), "now": len(target)})
         self._view = ClusterdView({**self._view.held, **target}, self._view.recovered, resyncing=True)
         self._cursor = revision
         await self._save()  # first: what may be held once these requests went out
         for chunk in requests(items):
-            await self._send(chunk)
+            await self._send(lambda chunk=chunk: current(chunk, self._wanted_now()))  # see _reassert
         if items:
             self.reconciles["resync"] += 1
         await self._acknowledged(items, target, revision)
@@ -280,14 +284,25 @@ class ClusterdSink:
     async def _reassert(self) -> None:
         why = self._reassert_why
         self._next_reassertion()
-        items = reassertion(self._view)
-        if not items:
+        if not current(reassertion(self._view), self._wanted_now()):
             return
         log.info("re-asserting public faults to clusterd", extra={
             "reason": why, "held": len(self._view.held), "recently_recovered": len(self._view.recovered)})
-        for chunk in requests(items):
-            await self._send(chunk)
+        done: set[tuple[str, str]] = set()
+
+        def build() -> list[Transition]:
+            # At each try, from the devices' state then: it may wait out a whole ClusterD outage, while
+            # the changes logged meanwhile wait behind it.
+            items = current(reassertion(self._view), self._wanted_now())
+            return [t for t in items if (t[0], t[1].fault_id) not in done][:MAX_FAULTS_PER_REQUEST]
+
+        while sent := await self._send(build):
+            done.update((assertion, fault.fault_id) for assertion, fault in sent)
         self.reconciles[why] += 1
+
+    def _wanted_now(self) -> dict[int, dict[str, PublicFault]]:
+        """Each device's public faults as of its last logged change (which may be newer than the view)."""
+        return {phy: self._wanted(change) for phy, change in self._log.latest().items()}
 
     async def _let_previous_requests_land(self) -> None:
         """A previous run that died (not a clean stop) may have left a request in flight, and ClusterD
@@ -302,25 +317,35 @@ class ClusterdSink:
     def _wanted(self, change: Change) -> dict[str, PublicFault]:
         return public_faults(self._node, change.state, self._config.public_codes)
 
-    async def _send(self, batch: list[Transition]) -> None:
-        """Until ClusterD answered 0 (or refused the request as invalid: a bug, logged)."""
-        faults = []
+    async def _send(self, build: Callable[[], list[Transition]]) -> list[Transition]:
+        """What `build` returns, until ClusterD answered 0 (or refused the request as invalid: a bug,
+        logged). `build` is called before each try, so a batch that can go stale while ClusterD is
+        away is made again from the state then. Returns the last batch built (sent, or not
+        sendable), empty when there was nothing to send."""
         codes = frozenset(self._config.public_codes.values())
-        for assertion, fault in batch:
-            message = to_message(self._node, assertion, fault, self._pods_of(fault.device))
-            # (a recover carries the code it was raised with, which the configuration may no longer list)
-            problems = fault_problems(message, codes if assertion == "occur" else None)
-            if problems:
-                self.counters["invalid"] += 1
-                log.error("public fault fails ClusterD's rules; not sent", extra={
-                    "fault": MessageToDict(message), "problems": problems})
-                continue
-            faults.append(message)
+        reported: set[tuple[str, str]] = set()
         attempt = 0
-        while faults:
+        while True:
+            batch = build()
+            faults = []
+            for assertion, fault in batch:
+                message = to_message(self._node, assertion, fault, self._pods_of(fault.device))
+                # (a recover carries the code it was raised with, which the configuration may no longer list)
+                problems = fault_problems(message, codes if assertion == "occur" else None)
+                if problems:
+                    if (assertion, fault.fault_id) not in reported:  # once, not at every try
+                        reported.add((assertion, fault.fault_id))
+                        self.counters["invalid"] += 1
+                        log.error("public fault fails ClusterD's rules; not sent", extra={
+                            "fault": MessageToDict(message), "problems": problems})
+                    continue
+                faults.append(message)
+            if not faults:
+                return batch
             delay = self._bucket.wait_time()
             if delay:
                 await asyncio.sleep(delay)
+                continue  # built again: the wait may have made it stale
             self._bucket.take()
             now_ms = int(self._clock() * 1000)
             request = pb.PublicFaultRequest(id=str(uuid.uuid4()), timestamp=now_ms, version="1.0",
@@ -337,9 +362,9 @@ class ClusterdSink:
                 if self._failed_call:  # what failed may land late, or ClusterD may have restarted meanwhile
                     self._failed_call = False
                     self._reassert_soon("after failed requests")
-                return
+                return batch
             if outcome == "rejected":
-                return
+                return batch
             attempt += 1
             backoff = random.uniform(0.5, min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** attempt))
             if outcome == "failed":

@@ -143,6 +143,9 @@ class Received:
     code: int
     info: str
     dropped: list[tuple[str, str]]  # (faultId, reason) of silently dropped faults
+    # The keys cached once it was applied. Between requests the cache only loses keys (deletions) or
+    # gains reloaded ones, so these show every key a sender made ClusterD hold, however briefly.
+    cached: frozenset[Key] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -399,7 +402,7 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
                 self._notify(now)
             kept = pb.PublicFaultRequest()
             kept.CopyFrom(request)
-            self._requests.append(Received(now, kept, code, info, dropped))
+            self._requests.append(Received(now, kept, code, info, dropped, frozenset(self._cache)))
         return pb.RespStatus(code=code, info=info)
 
     # ----- ClusterD's rules (all called with the lock held) -----
