@@ -39,6 +39,8 @@ def test_unknown_keys_are_rejected_with_their_path():
     ({"telemetry": {"intervals": {"utilization": 0.5}}},
      "telemetry.intervals.utilization: 0.5 is out of range 1..86400 (0 turns the group off)"),
     ({"telemetry": {"intervals": {"ddr": 10}}}, "telemetry.intervals.ddr: unknown key"),
+    ({"fault_log": {"retire_unconfigured_cursors_after_seconds": -1}},
+     "fault_log.retire_unconfigured_cursors_after_seconds: -1.0 is out of range 0..2592000 (30 days)"),
 ])
 def test_bad_values_name_the_key(document, message):
     with pytest.raises(ConfigError) as info:
