@@ -101,7 +101,11 @@ def test_concurrent_scrapes_share_one_rendering_per_content_type():
             requests += [get(endpoint.port, "/metrics", f"Accept: {OPENMETRICS}") for _ in range(20)]
             requests += [get(endpoint.port, "/metrics", "Accept-Encoding: gzip") for _ in range(10)]
             answers = asyncio.gather(*requests)
-            await until(lambda: endpoint.requests == 50, 10, lambda: f"50 requests read, now {endpoint.requests}")
+            # Each request is read before its rendering task first runs: on a busy machine the count of
+            # renderings trails that of requests by a turn of the loop, so both are awaited.
+            await until(lambda: endpoint.requests == 50 and endpoint.renderings == 3, 10,
+                        lambda: f"50 requests read and 3 renderings begun, now {endpoint.requests} and "
+                                f"{endpoint.renderings}")
             in_flight = endpoint.renderings
             gate.set()
             answers = await answers
