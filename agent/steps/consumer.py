@@ -286,15 +286,17 @@ class StepMetrics:
         return series.last_completed_s is not None and now - series.last_completed_s <= ACTIVE_GRACE_S
 
     def _expire(self, now: float) -> None:
+        dropped = []
         for key, series in list(self.ranks.items()):
             gone = series.gone_at is not None and now - series.gone_at > GONE_GRACE_S
             if gone or now - series.last_input_at > IDLE_GRACE_S:
                 del self.ranks[key]
                 self._held -= series.held
                 self._unsaved = True  # and from the state
-                self.detector.forget(key)
+                dropped.append(key)
                 log.info("training rank dropped from the metrics", extra={
                     "job_id": key.job_id, "rank": key.rank, "why": "directory removed" if gone else "no records"})
+        self.detector.forget(dropped)
 
     def _shed(self) -> None:
         """Over the node-wide bound: every rank keeps what it holds up to one level, set so the sum

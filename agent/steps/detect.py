@@ -28,6 +28,7 @@ its own baseline) and the rest of the step (step - forward) grew by 20 % or more
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ from agent.steps.records import RankKey
 
 NODE_RANKS, NODE_HOST = "ranks", "host"
 RECENT = 5  # m5: the last 5 eligible steps
+_VERSIONS = itertools.count(1)  # unique over all ranks, so a new rank's windows never pass for an old one's
 UNKNOWN_LAYOUT_SHARE = 0.25  # without stages, flagged workers must be fewer than this share of the job's
 
 
@@ -73,11 +75,9 @@ class RankState:
 
     stage: str = ""
     tp_group: tuple[int, ...] | None = None  # global ranks of its TP group, from parallel_group.json
-    worker: str = ""  # the worker it belongs to (see `settle`)
     pid: int | None = None
     warmup_left: int = 0
     last_end_s: float | None = None
-    last_step: int | None = None
     baseline: float | None = None  # B, seconds
     sigma: float = 0.0  # S
     compute_baseline: float | None = None
@@ -87,7 +87,7 @@ class RankState:
     slow: dict = field(default_factory=lambda: dict.fromkeys(SLOW, False))
     detections: Counter = field(default_factory=Counter)  # rising edges per reason
     forwards: deque = field(default_factory=lambda: deque(maxlen=evidence.SPREAD_STEPS))  # (step, forward)
-    version: int = 0  # changes with `forwards`: a worker's windows are built again only then
+    version: int = 0  # a new number whenever `forwards` changes: a worker's windows are built again only then
     _learning: list = field(default_factory=list)  # (duration, forward, rest) of the first eligible steps
     _durations: deque = field(default_factory=deque)  # the last rebaseline_window eligible steps
     _recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))
@@ -115,7 +115,6 @@ class RankState:
 class WorkerState:
     """One worker (TP group) of a job as this node sees it: its local ranks and its evidence."""
 
-    job_id: str
     stage: str
     name: str  # the first global rank of its TP group (inferred groups: of its local ranks)
     ranks: tuple[int, ...]
@@ -144,9 +143,10 @@ class SlowRankDetector:
         """Use `snapshot`'s baselines if the rank's next step comes from the same process."""
         self._saved[key] = saved
 
-    def forget(self, key: RankKey) -> None:
-        if self.ranks.pop(key, None) is not None:
-            self.settle(key.job_id)
+    def forget(self, keys: list[RankKey]) -> None:
+        """Drop ranks, and judge their jobs' workers again once (an ended job's ranks go together)."""
+        for job_id in {key.job_id for key in keys if self.ranks.pop(key, None) is not None}:
+            self.settle(job_id)
 
     def observe(self, key: RankKey, sample: StepSample, stage: str = "",
                 tp_group: tuple[int, ...] | None = None) -> RankState:
@@ -164,11 +164,10 @@ class SlowRankDetector:
         if (stage, tp_group) != (state.stage, state.tp_group):  # parallel_group.json appeared or changed
             state.stage, state.tp_group = stage, tp_group
             state.forwards.clear()  # judged among other peers from now on
-            state.version += 1
+            state.version = next(_VERSIONS)
         if state.last_end_s is not None and start_s - state.last_end_s > cfg.pause_s:
             state.warmup_left = cfg.warmup_steps
         state.last_end_s = max(state.last_end_s or 0.0, sample.wall_end_s)
-        state.last_step = sample.step
         if state.warmup_left > 0:
             state.warmup_left -= 1
             return state
@@ -185,7 +184,7 @@ class SlowRankDetector:
         self._temporal(state, sample)
         if sample.forward_s is not None and sample.forward_s > 0:
             state.forwards.append((sample.step, sample.forward_s))
-            state.version += 1
+            state.version = next(_VERSIONS)
         return state
 
     def _temporal(self, state: RankState, sample: StepSample) -> None:
@@ -243,16 +242,14 @@ class SlowRankDetector:
             for ranks in self._groups(group):
                 name = str(_worker_name(ranks, members))
                 states = [members[k] for k in ranks]
-                worker = WorkerState(job_id, stage, name, tuple(sorted(k.rank for k in ranks)))
-                versions = tuple((id(s), s.version) for s in states)  # a new RankState is a new object
+                worker = WorkerState(stage, name, tuple(sorted(k.rank for k in ranks)))
+                versions = tuple(s.version for s in states)
                 cached = known.get(worker.ranks)
                 if cached is None or cached[0] != versions:
                     cached = (versions, evidence.windows(_compute_series(states)))
                 built[worker.ranks] = cached
                 worker.windows = cached[1]
                 workers[name] = worker
-                for state in states:
-                    state.worker = name
         for stage in {w.stage for w in workers.values()}:
             found = evidence.judge({w.name: w.windows for w in workers.values() if w.stage == stage})
             for name, proof in found.items():

@@ -111,8 +111,9 @@ class StepCollector:
         node_slow = GaugeMetricFamily("training_node_slow", "1 while this node is slow for the job, by reason",
                                       labels=["node", "namespace", "job_name", "job_id", "reason"])
         worker_families = _WorkerFamilies()
+        active_jobs = {key.job_id for key in active_ranks}
         for job, (namespace, job_name, job_id) in jobs.items():
-            if not any(key.job_id == job for key in active_ranks):
+            if job not in active_jobs:
                 continue  # finished, paused or saving here: no verdict on this node
             for reason, value in steps.detector.node_verdict(job).items():
                 node_slow.add_metric([node, namespace, job_name, job_id, reason], int(value))
