@@ -1,7 +1,9 @@
 # syntax=docker/dockerfile:1
-# npu-node-agent image:  docker build -t npu-node-agent:0.1.0 .
-#
-# The build steps live in .ci/build-image, so they run (and are tested) without Docker.
+# npu-node-agent image, for linux/amd64 and linux/arm64:
+#   .ci/image                 podman, no Docker engine or registry; smoke-tests both, release in dist/
+#   docker buildx build --platform linux/amd64,linux/arm64 -t <registry>/npu-node-agent:0.1.0 --push .
+# (docs/image.md). The build steps live in .ci/build-image, so they run (and are tested) without
+# any container tool.
 #
 # What each feature needs from the pod (the Helm chart sets exactly this; see
 # helm/npu-node-agent/README.md):

@@ -79,6 +79,15 @@ def test_daemonset_basics(helm):
     assert "nodeSelector" not in helm.render("simulated").pod["spec"]  # nodeSelector: null
 
 
+def test_image_by_digest(helm):
+    digest = "sha256:" + "0123456789abcdef" * 4
+    rendered = helm.render("simulated", "image.repository=registry.example.com/npu-node-agent", f"image.digest={digest}")
+    # The digest wins over the tag, in the (non-root) init container as in the agent's.
+    assert {c["image"] for c in rendered.pod["spec"]["initContainers"] + rendered.pod["spec"]["containers"]} == \
+        {f"registry.example.com/npu-node-agent@{digest}"}
+    assert "digest" in helm.render_error(None, "image.digest=latest")
+
+
 def test_probes(helm):
     container = helm.render().container
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}

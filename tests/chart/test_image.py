@@ -108,3 +108,17 @@ def test_docker_context_holds_what_the_dockerfile_copies():
     copied |= set(re.findall(r"source=(\.ci/[\w-]+)", dockerfile))
     assert copied and copied <= allowed, copied - allowed
     assert all((REPO / path).exists() for path in copied)
+
+
+def test_the_agent_needs_no_asyncio_kubernetes_client():
+    """`build-image install` removes kubernetes/aio from the image; nothing in the agent may use it."""
+    import ast
+    for path in (REPO / "agent").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            assert not [n for n in names if n.startswith("kubernetes.aio")], f"{path}:{node.lineno} imports {names}"
