@@ -26,7 +26,7 @@ MACHINE_HEALTH = (
     (Health.HEALTHY, "machine_healthy_npu_nums", "Amount of healthy npu on the machine."),
     (Health.UNHEALTHY, "machine_unhealthy_npu_nums", "Amount of unhealthy npu on the machine."),
     (Health.UNKNOWN, "machine_unknown_npu_nums",
-     "Amount of npu on the machine whose health cannot be obtained via DCMI interface."),
+     "Amount of the npus whose health status cannot be obtained via DCMI interface on the machine."),
 )
 
 
@@ -76,7 +76,11 @@ class AgentCollector:
             identity = (info.model_name, info.vdie_id, info.pcie_bus_info) if info else ("", "", "")
             card = [node, device, *identity, *owner]
             health.add_metric(card, int(state.health))
-            for family, code in zip(errors, state.codes):  # npu-exporter shows the first ten
+            # npu-exporter shows the first ten, in the driver's order; codes the last poll did not list (an
+            # event's since, or an escalation held after the code cleared) follow, by code.
+            listed = {code: i for i, code in enumerate(self._monitor.code_order.get(state.phy_id, ()))}
+            ordered = sorted(state.codes, key=lambda c: (listed.get(c.code, len(listed)), c.code))
+            for family, code in zip(errors, ordered):
                 family.add_metric(card, code.code)
             level.add_metric([node, device, *owner], int(state.level))
             for code in state.codes:

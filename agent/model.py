@@ -102,6 +102,7 @@ class Reading:
     health: Health
     codes: frozenset[int] | None
     error: str = ""  # why something could not be read, for the log
+    order: tuple[int, ...] = ()  # the codes in the driver's order (npu-exporter's npu_chip_info_error_code order)
 
 
 @dataclass(frozen=True)

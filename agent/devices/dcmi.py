@@ -158,20 +158,23 @@ class DcmiBackend:
         codes = (ctypes.c_uint * abi.MAX_ERROR_CODES)()
         code_rc = self.call("dcmi_get_device_errorcode_v2", device.card_id, device.device_id,
                              ctypes.byref(count), codes, abi.MAX_ERROR_CODES)
+        order: tuple[int, ...] = ()
         if code_rc == abi.DCMI_OK:
-            found = frozenset(codes[: max(0, min(count.value, abi.MAX_ERROR_CODES))])
+            order = tuple(dict.fromkeys(codes[: max(0, min(count.value, abi.MAX_ERROR_CODES))]))
+            found = frozenset(order)
         elif dropped:
             found = frozenset()  # a dropped card answers nothing but "not ready"
         else:
             found = None
         if dropped:
             found = found | {CARD_DROP_CODE}
+            order = (*order, CARD_DROP_CODE)
         errors = []
         if rc not in (abi.DCMI_OK, abi.DCMI_ERR_DEVICE_NOT_READY):
             errors.append(f"dcmi_get_device_health returned {rc}")
         if found is None:
             errors.append(f"dcmi_get_device_errorcode_v2 returned {code_rc}")
-        return Reading(status, found, "; ".join(errors))
+        return Reading(status, found, "; ".join(errors), order)
 
     def subscribe(self, on_event: Callable[[DriverEvent], None]) -> str:
         if self._fn("dcmi_subscribe_fault_event") is None:

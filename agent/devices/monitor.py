@@ -61,6 +61,7 @@ class DeviceMonitor:
         self._last_error: dict[int, str] = {}
         self._first_unknown = Once()  # ("device", logic id) / ("assertion", value) logged
         self.devices: list[DeviceInfo] = []
+        self.code_order: dict[int, tuple[int, ...]] = {}  # phy id -> its codes as the driver last listed them
         self.error = "not started"
         self.events_error = ""
         self.polled_once = False
@@ -258,4 +259,6 @@ class DeviceMonitor:
             else:
                 log.info("device read works again", extra={"device": device.phy_id, "logic_id": device.logic_id})
             self._last_error[device.logic_id] = kind
+        if reading.codes is not None:
+            self.code_order[device.phy_id] = reading.order
         self._observer.on_reading(device, reading, started_ms)

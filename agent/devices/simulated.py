@@ -42,11 +42,11 @@ class SimulatedBackend:
 
     def read(self, device: DeviceInfo) -> Reading:
         with self._lock:
-            codes = frozenset(self._codes[device.phy_id])
+            order = tuple(self._codes[device.phy_id])  # raised first, listed first
             dropped = device.phy_id in self._dropped
-        if dropped:
-            return Reading(Health.UNKNOWN, codes | {CARD_DROP_CODE})  # the health call fails with -8012
-        return Reading(Health.UNHEALTHY if codes else Health.HEALTHY, codes)
+        if dropped:  # the health call fails with -8012
+            return Reading(Health.UNKNOWN, frozenset(order) | {CARD_DROP_CODE}, order=(*order, CARD_DROP_CODE))
+        return Reading(Health.UNHEALTHY if order else Health.HEALTHY, frozenset(order), order=order)
 
     def dropped(self, phy_id: int) -> bool:
         with self._lock:

@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from agent.model import DeviceInfo, PodsOf
 from agent.telemetry.families import BY_NAME, FAMILIES
-from agent.telemetry.labels import pod_labels
+from agent.telemetry.labels import POD_LABELS, pod_labels
 from agent.telemetry.sampler import TelemetrySampler
 
 # Per-chip families npu-exporter fills only for a chip held by exactly one container: (family, from family).
@@ -57,7 +57,11 @@ class TelemetryCollector:
             card = cards.get(logic)
             if card is not None:
                 for name, extra, value in samples:
-                    add(name, [*card, *extra], value)
+                    if name == "npu_chip_info_process_info" and not extra[1]:
+                        # a process in no container (a host process): npu-exporter clears its pod labels
+                        add(name, [*card[:-len(POD_LABELS)], *("",) * len(POD_LABELS), *extra], value)
+                    else:
+                        add(name, [*card, *extra], value)
                     if name in CONTAINER_SOURCES:
                         kept.setdefault(logic, {}).setdefault(name, []).append((extra, value))
         # Container families and the chip -> container table, for chips with exactly one container.

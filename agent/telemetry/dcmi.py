@@ -9,7 +9,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import re
+import struct
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -17,7 +19,7 @@ from agent.devices import dcmi_abi as core
 from agent.devices.dcmi import DcmiBackend
 from agent.telemetry import dcmi_abi as abi
 from agent.model import DeviceInfo
-from agent.telemetry.families import NETWORK_HEALTH_TIMEOUT_S, HCCS_LINKS_A2, HCCS_PROFILING_MS, PCIE_BW_TYPES
+from agent.telemetry.families import NETWORK_HEALTH_TIMEOUT_S, HCCS_LINKS, HCCS_PROFILING_MS, PCIE_BW_TYPES
 from agent.telemetry.source import Sample, node_samples
 
 log = logging.getLogger(__name__)
@@ -27,8 +29,15 @@ UTILIZATION_PERIOD = 1  # what npu-exporter passes to the _period call
 MIN_TEMPERATURE = -275
 UNSUPPORTED = (abi.DCMI_ERR_NOT_SUPPORTED, core.DCMI_ERR_SYMBOL_MISSING)
 CONTAINER_ID = re.compile(r"[0-9a-f]{64}")
-A3_CHIP = re.compile(r"^(Ascend)?910_93")  # the 910_93 (A3) chips; everything else here is an A2 (910B)
-COMMON_READS = ("utilization", "sensors", "network_health", "processes", "hbm", "hccs")
+A3_CHIP = re.compile(r"^(Ascend)?910_93")  # the 910_93 (A3) chips' name, when the board cannot be read
+# npu-exporter tells A3 by the board id (dcmi_get_device_board_info): Atlas 900/9000 A3 SuperPoD bins
+# 0xb0-0xb2, Atlas 800I A3 0xb3/0xb4, and the ZQ SuperPoD and server boards 0x81, 0x83, 0xd1, 0xd3.
+A3_BOARD_IDS = frozenset({0xB0, 0xB1, 0xB2, 0xB3, 0xB4, 0x81, 0x83, 0xD1, 0xD3})
+# An A3 board's first HCCS link, by main-board id (dcmi_get_mainboard_id): Atlas 900 A3 SuperPoD (0x18, 0x19)
+# and Atlas 800I A3 (0x14) from link 1, Atlas 9000 A3 SuperPoD (0x1c, 0x1d) from link 2; any other main
+# board from link 0, as npu-exporter does (it logs the board as unsupported). A2 boards start at link 1.
+A3_FIRST_HCCS_LINK = {0x18: 1, 0x19: 1, 0x14: 1, 0x1C: 2, 0x1D: 2}
+COMMON_READS = ("utilization", "sensors", "network_health", "processes", "hbm", "hccs", "pcie", "sio")
 # (family, field of struct dcmi_pcie_link_bandwidth_info)
 PCIE_FAMILIES = tuple((f"npu_chip_info_pcie_{kind}_bw", f"{kind}_bw") for kind in
                       ("rx_p", "rx_np", "rx_cpl", "tx_p", "tx_np", "tx_cpl"))
@@ -42,8 +51,17 @@ UTILIZATION_FAMILIES = (("npu_chip_info_utilization", "aicore_util", abi.UTIL_AI
                         ("npu_chip_info_overall_utilization", "npu_util", abi.UTIL_OVERALL))
 
 
-def is_a3(device: DeviceInfo) -> bool:
-    return bool(A3_CHIP.match(device.chip_name))
+@dataclass(frozen=True)
+class Board:
+    """What npu-exporter decides from the node's first chip: A3 or A2, and the first HCCS link exported."""
+
+    a3: bool
+    first_hccs_link: int
+
+
+def float32(value: float) -> float:
+    """`value` as npu-exporter holds it: a Go float32, widened to float64 when exported."""
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def container_of(pid: int, proc: Path) -> str:
@@ -67,6 +85,7 @@ class DcmiTelemetry:
         self._utilization: dict[int, str] = {}  # logic id -> the utilization call that works for it
         self._hccs_sub: dict[int, int] = {}  # logic id -> the HCCS statistic sub-command that works for it
         self._serials: dict[int, str] = {}  # card -> serial number
+        self._board: Board | None = None  # read from the first chip that answers
         self._reads: dict[str, Callable[[DeviceInfo], list[Sample]]] = {
             "utilization": self._read_utilization, "sensors": self._read_sensors,
             "network_health": self._read_network_health, "processes": self._read_processes,
@@ -75,7 +94,7 @@ class DcmiTelemetry:
     # ---- TelemetrySource -------------------------------------------------------------------------
 
     def reads(self, device: DeviceInfo) -> tuple[str, ...]:
-        return (*COMMON_READS, "sio" if is_a3(device) else "pcie")  # as npu-exporter chooses by chip type
+        return COMMON_READS  # pcie answers on A2 boards only, sio on A3 ones (board_of, in the lane)
 
     def read(self, device: DeviceInfo, read: str) -> list[Sample]:
         return self._reads[read](device)
@@ -127,6 +146,40 @@ class DcmiTelemetry:
         rc = self._call(device, name, device.card_id, device.device_id, ctypes.byref(value), *after)
         return value if rc == core.DCMI_OK else None
 
+    def board_of(self, device: DeviceInfo) -> Board:
+        """The node's board, as npu-exporter reads it once: A3 by board id, the first HCCS link by main-board
+        id. A driver without the board call falls back to the chip name (npu-exporter would take such an A3
+        for an A1 and export no HCCS at all); a failed call is tried again at the next read."""
+        with self._lock:
+            if self._board is not None:
+                return self._board
+        info = abi.BoardInfo()
+        rc = self._call(device, "dcmi_get_device_board_info", device.card_id, device.device_id, ctypes.byref(info))
+        if rc == core.DCMI_OK:
+            a3 = info.board_id in A3_BOARD_IDS
+        elif rc in UNSUPPORTED:
+            a3 = bool(A3_CHIP.match(device.chip_name))
+        else:
+            return Board(bool(A3_CHIP.match(device.chip_name)), 1)
+        first = 1
+        if a3:
+            mainboard = self._get(device, "dcmi_get_mainboard_id")
+            if mainboard is None:
+                with self._lock:
+                    unsupported = (device.phy_id, "dcmi_get_mainboard_id") in self._unsupported
+                if not unsupported:
+                    return Board(a3, 1)  # a failed read: asked again at the next one
+            first = A3_FIRST_HCCS_LINK.get(mainboard, 0)
+            if first == 0:
+                log.error("unknown A3 main board: HCCS links 0-7 exported, as npu-exporter does", extra={
+                    "mainboard_id": "unsupported" if mainboard is None else f"0x{mainboard:x}", "device": device.phy_id})
+        board = Board(a3, first)
+        log.info("board read", extra={"a3": a3, "board_id": f"0x{info.board_id:x}" if rc == core.DCMI_OK else None,
+                                      "first_hccs_link": first})
+        with self._lock:
+            self._board = board
+        return board
+
     # ---- reads -----------------------------------------------------------------------------------
 
     def _read_utilization(self, device: DeviceInfo) -> list[Sample]:
@@ -158,12 +211,13 @@ class DcmiTelemetry:
         temperature = self._get(device, "dcmi_get_device_temperature", ctype=ctypes.c_int)
         if temperature is not None and temperature >= MIN_TEMPERATURE:
             samples.append(("npu_chip_info_temperature", (), float(temperature)))
+        # 0.1 W and 0.01 V units, scaled in float32 as npu-exporter does: 1853 -> 185.3000030517578
         power = self._get(device, "dcmi_get_device_power_info", ctype=ctypes.c_int)
         if power is not None and power >= 0:
-            samples.append(("npu_chip_info_power", (), power * 0.1))  # 0.1 W units
+            samples.append(("npu_chip_info_power", (), float32(float32(power) * float32(0.1))))
         voltage = self._get(device, "dcmi_get_device_voltage")
         if voltage is not None and voltage < core.MAX_READING:
-            samples.append(("npu_chip_info_voltage", (), voltage * 0.01))  # 0.01 V units
+            samples.append(("npu_chip_info_voltage", (), float32(float32(voltage) * float32(0.01))))
         frequency = self._get(device, "dcmi_get_device_frequency", abi.FREQ_AICORE_CURRENT)
         if frequency is not None and frequency < core.MAX_READING:
             samples.append(("npu_chip_info_aicore_current_freq", (), float(frequency)))
@@ -192,9 +246,10 @@ class DcmiTelemetry:
                         ctypes.byref(count))
         if rc != core.DCMI_OK:
             return []
-        return [("npu_chip_info_process_info", (str(entry.proc_id), container_of(entry.proc_id, self._proc)),
-                 entry.proc_mem_usage / MIB)
-                for entry in entries[: max(0, min(count.value, abi.MAX_PROCESSES))]]
+        listed = entries[: max(0, min(count.value, abi.MAX_PROCESSES))]
+        return [*(("npu_chip_info_process_info", (str(entry.proc_id), container_of(entry.proc_id, self._proc)),
+                   entry.proc_mem_usage / MIB) for entry in listed),
+                ("npu_chip_info_process_info_num", (), float(len(listed)))]
 
     def _read_hbm(self, device: DeviceInfo) -> list[Sample]:
         samples: list[Sample] = []
@@ -215,7 +270,9 @@ class DcmiTelemetry:
         return samples
 
     def _read_hccs(self, device: DeviceInfo) -> list[Sample]:
-        """Per-link counters (u64 sub-command, else the u32 one) and bandwidths; a part that fails reads -1."""
+        """Per-link counters (u64 sub-command, else the u32 one) and bandwidths, from the board's first link to 7;
+        a part that fails reads -1 (the profiling time keeps its value, as in npu-exporter)."""
+        links = HCCS_LINKS[self.board_of(device).first_hccs_link:]
         samples: list[Sample] = []
         statistic = None
         for sub in ([self._hccs_sub[device.logic_id]] if device.logic_id in self._hccs_sub
@@ -227,7 +284,7 @@ class DcmiTelemetry:
             if rc == core.DCMI_OK:
                 self._hccs_sub[device.logic_id], statistic = sub, value
                 break
-        for x in HCCS_LINKS_A2:
+        for x in links:
             for kind in ("tx_cnt", "rx_cnt", "crc_err_cnt"):
                 samples.append((f"npu_chip_info_hccs_statistic_info_{kind}_{x}", (),
                                 float(getattr(statistic, kind)[x]) if statistic is not None else -1.0))
@@ -235,16 +292,17 @@ class DcmiTelemetry:
         rc = self._call(device, "dcmi_get_hccs_link_bandwidth_info", device.card_id, device.device_id,
                         ctypes.byref(bandwidth))
         ok = rc == core.DCMI_OK
-        for x in HCCS_LINKS_A2:
+        for x in links:
             samples.append((f"npu_chip_info_hccs_bandwidth_info_tx_{x}", (), bandwidth.tx_bandwidth[x] if ok else -1.0))
             samples.append((f"npu_chip_info_hccs_bandwidth_info_rx_{x}", (), bandwidth.rx_bandwidth[x] if ok else -1.0))
         samples += [("npu_chip_info_hccs_bandwidth_info_total_tx", (), bandwidth.total_txbw if ok else -1.0),
                     ("npu_chip_info_hccs_bandwidth_info_total_rx", (), bandwidth.total_rxbw if ok else -1.0),
-                    ("npu_chip_info_hccs_bandwidth_info_profiling_time", (),
-                     float(HCCS_PROFILING_MS) if ok else -1.0)]
+                    ("npu_chip_info_hccs_bandwidth_info_profiling_time", (), float(HCCS_PROFILING_MS))]
         return samples
 
     def _read_pcie(self, device: DeviceInfo) -> list[Sample]:
+        if self.board_of(device).a3:
+            return []  # A2 only
         info = abi.PcieLinkBandwidthInfo(profiling_time=HCCS_PROFILING_MS)
         rc = self._call(device, "dcmi_get_pcie_link_bandwidth_info", device.card_id, device.device_id,
                         ctypes.byref(info))
@@ -254,6 +312,8 @@ class DcmiTelemetry:
                 for family, field in PCIE_FAMILIES for i, kind in enumerate(PCIE_BW_TYPES)]
 
     def _read_sio(self, device: DeviceInfo) -> list[Sample]:
+        if not self.board_of(device).a3:
+            return []  # A3 only
         info = abi.SioCrcErrStatisticInfo()
         size = ctypes.c_uint(ctypes.sizeof(info))
         rc = self._call(device, "dcmi_get_device_info", device.card_id, device.device_id, abi.MAIN_CMD_SIO,

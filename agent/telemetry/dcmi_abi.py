@@ -123,10 +123,20 @@ class ElabelInfo(ctypes.Structure):
     ]
 
 
+class BoardInfo(ctypes.Structure):
+    _fields_ = [
+        ("board_id", ctypes.c_uint),  # tells the A3 (910_93) boards from the A2 ones
+        ("pcb_id", ctypes.c_uint),
+        ("bom_id", ctypes.c_uint),
+        ("slot_id", ctypes.c_uint),
+    ]
+
+
 # sizeof / alignment on x86_64, as the real header compiles (checked by a test against the fake's C compiler).
 TELEMETRY_SIZES = {HbmInfo: 32, EccInfo: 36, MultiUtilizationInfo: 48, PcieLinkBandwidthInfo: 88,
                    HccsStatisticInfo: 512, HccsStatisticInfoU64: 1024, HccsBandwidthInfo: 280,
-                   SioCrcErrStatisticInfo: 12, PcieInfoAll: 64, DieId: 20, ProcMemInfo: 16, ElabelInfo: 1280}
+                   SioCrcErrStatisticInfo: 12, PcieInfoAll: 64, DieId: 20, ProcMemInfo: 16, ElabelInfo: 1280,
+                   BoardInfo: 16}
 
 
 # name -> (restype, argtypes), added to the core ones when telemetry is enabled
@@ -153,4 +163,6 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
         ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ProcMemInfo), INT_P]),
     "dcmi_get_card_elabel_v2": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ElabelInfo)]),
     "dcmi_get_dcmi_version": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int]),
+    "dcmi_get_device_board_info": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.POINTER(BoardInfo)]),
+    "dcmi_get_mainboard_id": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, UINT_P]),
 }

@@ -15,7 +15,8 @@ from agent.telemetry.labels import CARD_LABELS, POD_LABELS
 NAME_LABELS = ("id", "name", "vdie_id", "pcie_bus_info", *POD_LABELS)  # npu_chip_info_name says `name`
 CONTAINER_INFO_LABELS = ("npuID", "model_name", "vdie_id", "pcie_bus_info", *POD_LABELS, "containerID", "containerName")
 
-HCCS_LINKS_A2 = range(1, 8)  # HCCS ports exported on A2 and on the A3 boards the agent knows
+HCCS_LINKS = range(0, 8)  # the HCCS ports any board exports (npu-exporter: from the board's first link to 7)
+HCCS_LINKS_A2 = range(1, 8)  # on A2, Atlas 900 A3 SuperPoD and Atlas 800I A3 boards
 HCCS_PROFILING_MS = 200  # npu-exporter's default -hccsBWProfilingTime and -profilingTime (PCIe)
 PCIE_BW_TYPES = ("minPcieBw", "maxPcieBw", "avgPcieBw")  # index 0, 1, 2 of each PCIe bandwidth array
 
@@ -70,9 +71,15 @@ _MAC = (("rx_pause_num", "mac-rx-pause-num"), ("tx_pause_num", "mac-tx-pause-num
         ("rx_bad_oct_num", "mac-rx-bad-oct-num"), ("tx_bad_oct_num", "mac-tx-bad-oct-num"))
 _ROCE = ("rx_all_pkt_num", "tx_all_pkt_num", "rx_err_pkt_num", "tx_err_pkt_num", "rx_cnp_pkt_num", "tx_cnp_pkt_num",
          "new_pkt_rty_num", "unexpected_ack_num", "out_of_order_num", "verification_err_num", "qp_status_err_num")
-_PCIE = (("rx_p", "the npu write bw to remote's speed"), ("rx_np", "the npu read bw from remote's speed"),
-         ("rx_cpl", "the npu reply remote's read operation bw"), ("tx_p", "the remote write bw to npu's speed"),
-         ("tx_np", "the remote read bw from npu's speed"), ("tx_cpl", "the remote reply npu's read operation bw"))
+# npu-exporter's HELP texts byte for byte, its typos and the U+2018 in rx_p's included: a tool that compares the
+# two exporters' metadata sees no difference.
+_PCIE = (("rx_p", "the npu write bw to remote\u2018s speed"), ("rx_np", "the npu read bw's speed from remote"),
+         ("rx_cpl", "the npu reply remote read operate cpl's speed"),
+         ("tx_p", "the npu receive remote write operate's speed"),
+         ("tx_np", "the npu receive remote read operate's speed"),
+         ("tx_cpl", "the npu read cpl's responese bw speed from remote"))
+# RoCE counters whose HELP npu-exporter starts with "the "
+_ROCE_THE = frozenset({"unexpected_ack_num", "out_of_order_num", "verification_err_num", "qp_status_err_num"})
 
 FAMILIES: tuple[Family, ...] = (
     # npu (5 s): sensors, network health, identity, processes
@@ -85,6 +92,7 @@ FAMILIES: tuple[Family, ...] = (
     _f("npu_chip_info_serial_number", "the npu serial number information", "npu", "serial_number"),
     _f("npu_chip_info_process_info", "the npu process info, unit is 'MB'. if process run on host, container_id and "
        "container_name will be empty", "npu", "process_id", "container_id"),
+    _f("npu_chip_info_process_info_num", "the npu process num", "npu"),
     # utilization (1 s)
     _f("npu_chip_info_utilization", "the ai core utilization", "utilization"),
     _f("npu_chip_info_vector_utilization", "the vector utilization", "utilization"),
@@ -108,16 +116,16 @@ FAMILIES: tuple[Family, ...] = (
     _f("npu_chip_info_hbm_ecc_double_bit_isolated_pages_cnt", "HBM Double Bit Isolated Pages Count", "hbm"),
     # hccs (60 s): per-link counters (flits) and bandwidth (GB/s)
     *(_f(f"npu_chip_info_hccs_statistic_info_{kind}_{x}", f"{what} for hccs {x}", "hccs")
-      for x in HCCS_LINKS_A2
+      for x in HCCS_LINKS
       for kind, what in (("tx_cnt", "transmitted message count"), ("rx_cnt", "received message count"),
                          ("crc_err_cnt", "crc error count"))),
     *(_f(f"npu_chip_info_hccs_bandwidth_info_{kind}_{x}", f"{what} for hccs {x}", "hccs")
-      for x in HCCS_LINKS_A2
+      for x in HCCS_LINKS
       for kind, what in (("tx", "single-link transmission data bandwidth"),
                          ("rx", "single-link receive data bandwidth"))),
     _f("npu_chip_info_hccs_bandwidth_info_total_tx", "total sent data bandwidth", "hccs"),
     _f("npu_chip_info_hccs_bandwidth_info_total_rx", "total received data bandwidth", "hccs"),
-    _f("npu_chip_info_hccs_bandwidth_info_profiling_time", "the hccs bandwidth profiling time, unit is 'ms'", "hccs"),
+    _f("npu_chip_info_hccs_bandwidth_info_profiling_time", "sampling interval for hccs bandwidth", "hccs"),
     # pcie (60 s, A2): {min, max, avg} of each bandwidth, MB/ms
     *(_f(f"npu_chip_info_pcie_{kind}_bw", f"{what}, unit is 'MB/ms'", "pcie", "pcie_bw_type") for kind, what in _PCIE),
     # sio (60 s, A3)
@@ -131,15 +139,16 @@ FAMILIES: tuple[Family, ...] = (
     _f("npu_chip_link_up_num", "the npu interface receive link-up num", "network"),
     # roce (60 s, hccn_tool -stat): MAC and RoCE counters
     *(_f(f"npu_chip_mac_{key}", f"npu interface receive {what}", "roce") for key, what in _MAC),
-    _f("npu_chip_info_rx_fcs_num", "npu interface receive mac-rx-fcs-num", "roce"),
-    *(_f(f"npu_chip_roce_{key}", f"npu interface receive roce-{key.replace('_', '-')}", "roce") for key in _ROCE),
-    _f("npu_chip_info_rx_ecn_num", "npu interface receive roce-ecn-db-num", "roce"),
+    _f("npu_chip_info_rx_fcs_num", "the npu network fcs receive number", "roce"),
+    *(_f(f"npu_chip_roce_{key}", f"{'the ' if key in _ROCE_THE else ''}npu interface receive roce-{key.replace('_', '-')}",
+         "roce") for key in _ROCE),
+    _f("npu_chip_info_rx_ecn_num", "the npu network ecn receive number", "roce"),
     # optical (60 s, hccn_tool)
     _f("npu_chip_optical_state", "the npu interface receive optical-state", "optical"),
     *(_f(f"npu_chip_optical_{way}_power_{n}", f"npu interface receive optical-{way}-power-{n}", "optical")
       for way in ("tx", "rx") for n in range(4)),
-    _f("npu_chip_optical_vcc", "npu interface receive optical-vcc", "optical"),
-    _f("npu_chip_optical_temp", "npu interface receive optical-temperature", "optical"),
+    _f("npu_chip_optical_vcc", "the npu interface receive optical-vcc", "optical"),
+    _f("npu_chip_optical_temp", "the npu interface receive optical-temperature", "optical"),
     # node level (no card labels)
     _node("machine_card_nums", "Amount of card installed on the machine.", "node"),
     _node("npu_exporter_version_info", "exporter version with value '1'", "node", "exporterVersion"),

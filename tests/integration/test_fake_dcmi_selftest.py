@@ -412,7 +412,7 @@ def test_telemetry_struct_layouts_match_the_c_compiler(fake):
                tabi.HccsBandwidthInfo: "dcmi_hccs_bandwidth_info",
                tabi.SioCrcErrStatisticInfo: "dcmi_sio_crc_err_statistic_info",
                abi.PcieInfoAll: "dcmi_pcie_info_all", abi.DieId: "dcmi_die_id", tabi.ProcMemInfo: "dcmi_proc_mem_info",
-               tabi.ElabelInfo: "dcmi_elabel_info"}
+               tabi.ElabelInfo: "dcmi_elabel_info", tabi.BoardInfo: "dcmi_board_info"}
     assert set(c_names) == set(tabi.TELEMETRY_SIZES)
     for cls, size in tabi.TELEMETRY_SIZES.items():
         c = layout[c_names[cls]]

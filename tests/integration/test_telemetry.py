@@ -18,6 +18,7 @@ from tests.integration.conftest import CARDS, phy
 EVERY_SECOND = {group.name: 1 for group in GROUPS}
 A3_ONLY = {"npu_chip_info_sio_crc_tx_err_cnt", "npu_chip_info_sio_crc_rx_err_cnt"}
 A2_ONLY = {f.name for f in FAMILIES if f.group == "pcie"}
+HCCS_LINK = {x: {f.name for f in FAMILIES if f.group == "hccs" and f.name.endswith(f"_{x}")} for x in range(8)}
 MIB = 1 << 20
 
 
@@ -73,19 +74,20 @@ def test_every_default_family_with_npu_exporters_names_labels_and_scaled_values(
         def complete():
             scraped = scrape(agent)
             return scraped if value(scraped, "npu_chip_info_temperature", 0) == 52 and all(
-                f.name in scraped for f in FAMILIES if f.name not in A3_ONLY) and value(
+                f.name in scraped for f in FAMILIES if f.name not in A3_ONLY | HCCS_LINK[0]) and value(
                 scraped, "npu_chip_info_hccs_bandwidth_info_tx_1", 0) == 1.5 else None
 
         scraped = wait_until(complete, 15, "every family with the values set")
 
-    assert {f.name for f in FAMILIES if f.name in scraped} == {f.name for f in FAMILIES} - A3_ONLY
+    # An A2 board: HCCS links 1-7, as npu-exporter exports them there.
+    assert {f.name for f in FAMILIES if f.name in scraped} == {f.name for f in FAMILIES} - A3_ONLY - HCCS_LINK[0]
     assert all(scraped[f.name][0] == "gauge" for f in FAMILIES if f.name in scraped)  # npu-exporter: gauges only
     labels, _ = next(s for s in scraped["npu_chip_info_temperature"][1] if s[0]["id"] == str(phy(0)))
     assert set(labels) == {"node", "id", "model_name", "vdie_id", "pcie_bus_info", "namespace", "pod_name",
                            "container_name"}
     assert (labels["namespace"], labels["pod_name"], labels["container_name"]) == ("team-a", "train-0", "main")
     expected = {
-        "npu_chip_info_temperature": 52, "npu_chip_info_power": 185.3, "npu_chip_info_voltage": 0.88,
+        "npu_chip_info_temperature": 52,
         "npu_chip_info_aicore_current_freq": 1750, "npu_chip_info_network_status": 1,
         "npu_chip_info_utilization": 61, "npu_chip_info_vector_utilization": 32,
         "npu_chip_info_cube_utilization": 58, "npu_chip_info_overall_utilization": 64,
@@ -102,12 +104,19 @@ def test_every_default_family_with_npu_exporters_names_labels_and_scaled_values(
         "npu_chip_info_link_status": 1, "npu_chip_roce_rx_all_pkt_num": 7, "npu_chip_info_rx_fcs_num": 2,
     }
     assert {name: value(scraped, name, 0) for name in expected} == pytest.approx(expected)
+    # Power and voltage exactly as npu-exporter serves them: scaled in float32, widened to float64.
+    assert (value(scraped, "npu_chip_info_power", 0), value(scraped, "npu_chip_info_voltage", 0)) == \
+        (185.3000030517578, 0.8799999952316284)
+    assert value(scraped, "npu_chip_info_process_info_num", 0) == 2
     # the HCCS totals: the driver adds every link into them, so a struct not zeroed per call would grow
     total = value(scraped, "npu_chip_info_hccs_bandwidth_info_total_tx", 0)
     assert total == value(scrape(agent), "npu_chip_info_hccs_bandwidth_info_total_tx", 0) and total < 30
     assert of_chip(scraped, "npu_chip_info_pcie_rx_p_bw", 0) == {("minPcieBw",): 11, ("maxPcieBw",): 33,
                                                                   ("avgPcieBw",): 22}
     assert of_chip(scraped, "npu_chip_info_process_info", 0) == {("", "4242"): 3.0, ("", "4243"): 512.0}
+    # the fake's processes are in no container: their series have no pod labels, as npu-exporter clears them
+    assert {(labels["namespace"], labels["pod_name"], labels["container_name"])
+            for labels, _ in scraped["npu_chip_info_process_info"][1] if labels["id"] == str(phy(0))} == {("", "", "")}
     assert of_chip(scraped, "npu_chip_info_serial_number", 0) == {("102400001234",): 1}
     names = [labels for labels, _ in scraped["npu_chip_info_name"][1] if labels["id"] == str(phy(0))]
     assert names[0]["name"] == "910B3-Ascend-V1" and "model_name" not in names[0]
@@ -117,6 +126,29 @@ def test_every_default_family_with_npu_exporters_names_labels_and_scaled_values(
     node_base = scraped["node_base_info"][1]
     assert [labels["driverVersion"] for labels, _ in node_base] == ["24.1.rc3"]
     assert scraped["machine_card_nums"][1][0][1] == CARDS
+
+
+PROFILING_TIME = "npu_chip_info_hccs_bandwidth_info_profiling_time"
+
+
+@pytest.mark.parametrize("chip,board,mainboard,a3,links", [
+    ("910_9391", None, None, True, range(1, 8)),  # the fake's A3 default: Atlas 900 A3 SuperPoD (0xb0, 0x18)
+    ("910_9391", None, "0x1c", True, range(2, 8)),  # Atlas 9000 A3 SuperPoD
+    ("910_9391", None, "0x64", True, range(0, 8)),  # an A3 main board npu-exporter does not know
+    ("910B3", "0xb3", "0x14", True, range(1, 8)),  # Atlas 800I A3: the board id decides, not the chip name
+    ("910_9391", "0x21", None, False, range(1, 8)),  # an A2 board
+])
+def test_the_board_decides_a3_and_the_hccs_links(telemetry_agent, chip, board, mainboard, a3, links):
+    env = {"FAKE_DCMI_CHIP_NAME": chip, **({"FAKE_DCMI_BOARD_ID": board} if board else {}),
+           **({"FAKE_DCMI_MAINBOARD_ID": mainboard} if mainboard else {})}
+    agent, fake, _ = telemetry_agent(env=env)
+    wanted = ("npu_chip_info_sio_crc_tx_err_cnt" if a3 else "npu_chip_info_pcie_rx_p_bw", PROFILING_TIME)
+    scraped = wait_until(lambda: (s := scrape(agent)) and all(of_chip(s, name, 2) for name in wanted) and s,
+                         15, "the board's groups")
+    exported = {x for x in range(8) if value(scraped, f"npu_chip_info_hccs_statistic_info_tx_cnt_{x}", 2) is not None}
+    assert exported == set(links)
+    assert {x for x in range(8) if value(scraped, f"npu_chip_info_hccs_bandwidth_info_rx_{x}", 2) is not None} == set(links)
+    assert bool(A3_ONLY & set(scraped)) == a3 and bool(A2_ONLY & set(scraped)) == (not a3)
 
 
 def test_a3_chips_have_sio_and_no_pcie(telemetry_agent):
@@ -155,8 +187,9 @@ def test_failed_and_out_of_range_readings_give_npu_exporters_failure_values(tele
 
     scraped = wait_until(settled, 15, "the failure values")
     assert value(scraped, "npu_chip_info_temperature", 1) is None  # omitted; only the failed call's family goes
-    hccs = {f.name for f in FAMILIES if f.group == "hccs"}
+    hccs = {f.name for f in FAMILIES if f.group == "hccs"} - HCCS_LINK[0] - {PROFILING_TIME}
     assert {value(scraped, name, 1) for name in hccs} == {-1.0}  # npu-exporter's buildFailedHccs*: every value -1
+    assert value(scraped, PROFILING_TIME, 1) == 200  # ... but the sampling interval it asked for
     assert value(scraped, "npu_chip_info_hbm_ecc_enable_flag", 1) is None
     assert value(scraped, "npu_chip_info_hbm_total_memory", 1) == 65536
     for name in ("npu_chip_info_temperature", "npu_chip_info_power", "npu_chip_info_voltage",
@@ -216,7 +249,7 @@ def test_a_function_a_chip_does_not_support_is_logged_once_and_not_called_again(
     said = [line for line in agent.logs if "does not support" in line.get("msg", line.get("message", ""))]
     assert len(said) == 1 and said[0]["device"] == phy(4) and said[0]["function"] == "dcmi_get_device_voltage"
     assert value(scrape(agent), "npu_chip_info_voltage", 4) is None
-    assert value(scrape(agent), "npu_chip_info_voltage", 5) == 0.88
+    assert value(scrape(agent), "npu_chip_info_voltage", 5) == 0.8799999952316284  # 88 x 0.01 in float32
 
 
 def test_a_driver_without_the_period_call_reads_utilization_with_the_next_one(telemetry_agent):

@@ -27,6 +27,53 @@ def test_the_device_plugins_fault_code_table_loads(rule_dir):
     assert any("A2301001" in w for w in table.warnings)
 
 
+# The device plugin's shipped faultCode.json: 804 entries, 802 distinct codes (A2301001 is under
+# RestartBusiness and SeparateNPU, B4060011 twice under RestartBusiness). Its rule: a code takes the
+# first bucket that holds it, in the order SeparateNPU, PreSeparateNPU, RestartNPU, FreeRestartNPU,
+# RestartBusiness, RestartRequest, SubHealthFault, NotHandleFault. The digest is of every code with
+# that level, one "<CODE> <Level>" line each, sorted - computed from the plugin's file by that rule.
+DEVICE_PLUGIN_LEVELS_SHA256 = "2e6a797a425501834d70db09f1d3a2651e2c21047461a9a188654209c85f8a33"
+DEVICE_PLUGIN_LEVEL_COUNTS = {"SeparateNPU": 215, "PreSeparateNPU": 200, "RestartNPU": 162, "FreeRestartNPU": 23,
+                              "RestartBusiness": 24, "RestartRequest": 33, "SubHealthFault": 13, "NotHandleFault": 132}
+
+
+def test_the_built_in_table_classifies_every_code_as_the_device_plugin_does():
+    import hashlib
+    from agent.faults.rules.engine import EngineSettings, FaultEngine
+    from agent.model import Assertion, Health
+
+    table = load_fault_code_table("")
+    assert table.warnings == ()  # each code once, under the level it takes
+    spelled = sorted(table.spell(c) for c in [*table.chip, *table.network])
+    engine = FaultEngine(table, load_customization(""), EngineSettings())
+    levels = {}
+    for phy, text in enumerate(spelled):  # one device per code, each seen as the driver reports it
+        engine.add_device(phy, phy, 1_780_000_000_000)
+        engine.on_reading(phy, frozenset(), Health.HEALTHY, 1_780_000_000_000)
+        [change] = engine.on_event(phy, int(text, 16), Assertion.OCCUR, 2, None, 1_780_000_000_000)
+        levels[text] = change.level.name
+    assert len(levels) == 802
+    assert {name: list(levels.values()).count(name) for name in DEVICE_PLUGIN_LEVEL_COUNTS} == DEVICE_PLUGIN_LEVEL_COUNTS
+    lines = "".join(f"{text} {levels[text]}\n" for text in spelled)
+    assert hashlib.sha256(lines.encode()).hexdigest() == DEVICE_PLUGIN_LEVELS_SHA256
+    # The parameter-plane codes are network faults, at the levels the plugin's buckets give them.
+    assert [levels[c] for c in ("81078603", "81078607", "110000002", "110001024")] == \
+        ["NotHandleFault", "NotHandleFault", "SubHealthFault", "PreSeparateNPU"]
+
+
+def test_the_built_in_customization_is_the_device_plugins():
+    rules = load_customization("")
+    assert rules.source == "built-in fault customization" and rules.warnings == ()
+    twice = {0x80C98000, 0x80E01801, 0x80E18008, 0x81978008}  # 4 of the 41 codes of its first rule
+    assert len([c for c, r in rules.frequency.items() if r.times == 2 and r.window_s == 86400]) == 41
+    assert all(rules.frequency[c].level is Level.ManuallySeparateNPU for c in twice)
+    assert (rules.frequency[0x80E18005].times, rules.frequency[0x80E18005].release_s) == (3, NEVER_RELEASE_S)
+    assert (rules.frequency[0x81078603].times, rules.frequency[0x81078603].release_s) == (5, 172800)
+    duration = rules.duration[0x81078603]
+    assert (duration.fault_timeout_s, duration.recover_timeout_s, duration.level) == (20, 60, Level.PreSeparateNPU)
+    assert rules.grace_tolerance == {"WaitProcessReadCMTime": 30, "WaitDeviceResetTime": 150, "WaitFaultSelfHealingTime": 15}
+
+
 def test_the_device_plugins_customization_loads(rule_dir):
     rules = load_customization(str(rule_dir / "faultCustomization.json"))
     assert rules.frequency[0x80E18005].times == 3

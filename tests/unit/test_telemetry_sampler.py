@@ -22,6 +22,9 @@ DEVICES = [DeviceInfo(i, 7 - i, i // 2, i % 2, "910B3", "910B3-Ascend-V1", f"VDI
            for i in range(2)]
 
 
+CONTAINER = "c0ffee" * 10 + "c0fe"  # a container id: 64 hex digits
+
+
 class Source:
     """Answers every read at once, or blocks the reads named in `hold` until released, or raises for `broken`."""
 
@@ -33,7 +36,7 @@ class Source:
         self.broken: set[str] = set()
 
     def reads(self, device):
-        return ("utilization", "network_health", "sensors", "hbm", "hccs")
+        return ("utilization", "network_health", "sensors", "processes", "hbm", "hccs")
 
     def read(self, device, read):
         self.calls[(device.phy_id, read)] += 1
@@ -45,6 +48,9 @@ class Source:
                 "network_health": [("npu_chip_info_network_status", (), 1.0)],
                 "sensors": [("npu_chip_info_temperature", (), 40.0), ("npu_chip_info_power", (), 185.3),
                             ("npu_chip_info_serial_number", ("SN1",), 1.0)],
+                "processes": [("npu_chip_info_process_info", ("100", CONTAINER), 1024.0),  # in the chip's container
+                              ("npu_chip_info_process_info", ("200", ""), 10.0),  # on the host
+                              ("npu_chip_info_process_info_num", (), 2.0)],
                 "hbm": [("npu_chip_info_hbm_total_memory", (), 65536.0),
                         ("npu_chip_info_hbm_used_memory", (), 1000.0)],
                 "hccs": [("npu_chip_info_hccs_bandwidth_info_total_tx", (), 3.5)]}[read]
@@ -165,7 +171,14 @@ def test_rendering_card_labels_pods_container_families_and_node_families():
         assert [(s.labels["id"], s.value) for s in families["container_npu_utilization"].samples] == [("7", 57.0)]
         assert [s.value for s in families["container_npu_total_memory"].samples] == [65536.0]
         info = families["npu_container_info"].samples
-        assert [(s.labels["npuID"], s.labels["containerName"]) for s in info] == [("7", "ns_train-0_main")]
+        assert [(s.labels["npuID"], s.labels["containerName"], s.labels["containerID"]) for s in info] == [
+            ("7", "ns_train-0_main", CONTAINER)]
+        # A process in the chip's container has the chip's pod labels; a host process none, as in npu-exporter.
+        processes = {s.labels["process_id"]: (s.labels["namespace"], s.labels["pod_name"], s.labels["container_name"])
+                     for s in families["npu_chip_info_process_info"].samples if s.labels["id"] == "7"}
+        assert processes == {"100": ("ns", "train-0", "main"), "200": ("", "", "")}
+        assert [(s.labels["pod_name"], s.value) for s in families["npu_chip_info_process_info_num"].samples
+                if s.labels["id"] == "7"] == [("train-0", 2.0)]
         assert values(families, "machine_card_nums") == {(("node", "n1"),): 1.0}
         assert [s.labels for s in families["node_base_info"].samples] == [
             {"node": "n1", "exporterVersion": "v", "driverVersion": "24.1.rc3"}]

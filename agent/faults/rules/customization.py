@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from agent.common.errors import ConfigError, clip, file_problem, quote
 from agent.faults.rules.codes import parse_code, read_json_file
@@ -59,8 +61,11 @@ NO_CUSTOMIZATION = Customization(source="none")
 
 
 def load_customization(path: str) -> Customization:
+    """The rules at `path`, or the built-in ones (the device plugin's shipped faultCustomization.json)
+    when `path` is empty."""
     if not path:
-        return NO_CUSTOMIZATION
+        text = Path(__file__).with_name("builtin_customization.json").read_text("utf-8")
+        return parse_customization(json.loads(text), "built-in fault customization")
     return parse_customization(read_json_file(path), path)
 
 

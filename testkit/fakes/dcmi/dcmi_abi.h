@@ -212,6 +212,13 @@ struct dcmi_proc_mem_info {
     unsigned long proc_mem_usage;  /* bytes */
 };
 
+struct dcmi_board_info {
+    unsigned int board_id; /* the product's board: tells the A3 (910_93) boards from the A2 ones */
+    unsigned int pcb_id;
+    unsigned int bom_id;
+    unsigned int slot_id; /* PCIe slot of the chip */
+};
+
 struct dcmi_elabel_info {
     char product_name[DCMI_ELABEL_LEN];
     char model[DCMI_ELABEL_LEN];
@@ -271,6 +278,7 @@ int dcmi_get_device_resource_info(int card_id, int device_id, struct dcmi_proc_m
                                   int *proc_num);
 int dcmi_get_card_elabel_v2(int card_id, struct dcmi_elabel_info *elabel_info);
 int dcmi_get_mainboard_id(int card_id, int device_id, unsigned int *mainboard_id);
+int dcmi_get_device_board_info(int card_id, int device_id, struct dcmi_board_info *board_info);
 int dcmi_get_dcmi_version(char *dcmi_ver, int buf_size);
 
 /* Test-only extra: JSON with sizeof/offsetof of every struct above. */

@@ -5,7 +5,8 @@
  * the agent's real ctypes loader can dlopen it in place of the driver.  The
  * topology comes from FAKE_DCMI_* environment variables read by dcmi_init()
  * (CARDS, CHIPS_PER_CARD, PHY_IDS, CHIP_NAME; VDIE and PCIE for the chips'
- * identities; FAIL=function=rc,... for failures from the first call on);
+ * identities; BOARD_ID and MAINBOARD_ID for the board; FAIL=function=rc,...
+ * for failures from the first call on);
  * faults, hangs and failures are injected at run time through a unix socket
  * (FAKE_DCMI_CONTROL) served by a detached thread, because the library lives
  * inside the process under test.  See build.py / control.py for the Python
@@ -125,6 +126,7 @@ struct tele {
     unsigned int pcie[PCIE_BW_ARRAYS][PCIE_BW_VALUES]; /* in the struct's member order */
     unsigned short sio_tx, sio_rx;
     unsigned int mainboard_id;
+    unsigned int board_id;
     int nprocs;
     struct dcmi_proc_mem_info procs[DCMI_MAX_PROC_NUM];
 };
@@ -184,6 +186,7 @@ enum fn_id {
     FN_RESOURCE_INFO,
     FN_ELABEL,
     FN_MAINBOARD_ID,
+    FN_BOARD_INFO,
     FN_VERSION,
     FN_COUNT
 };
@@ -233,6 +236,7 @@ static struct fn_ctl g_fns[FN_COUNT] = {
     [FN_RESOURCE_INFO] = {"dcmi_get_device_resource_info"},
     [FN_ELABEL] = {"dcmi_get_card_elabel_v2"},
     [FN_MAINBOARD_ID] = {"dcmi_get_mainboard_id"},
+    [FN_BOARD_INFO] = {"dcmi_get_device_board_info"},
     [FN_VERSION] = {"dcmi_get_dcmi_version"},
 };
 
@@ -294,6 +298,27 @@ static int env_count(const char *name, int def, int *out)
         return -1;
     }
     *out = (int)v;
+    return 0;
+}
+
+/* An unsigned 32-bit knob (decimal or 0x hex) that applies to every chip; 0 with *set = 0 when unset. */
+static int env_u32(const char *name, unsigned int *out, int *set)
+{
+    const char *s = getenv(name);
+    char *end;
+    unsigned long v;
+
+    *set = 0;
+    if (!s || !*s)
+        return 0;
+    errno = 0;
+    v = strtoul(s, &end, 0);
+    if (errno || *end || v > 0xFFFFFFFFul) {
+        fprintf(stderr, "fake_dcmi: bad %s='%s' (a 32-bit number)\n", name, s);
+        return -1;
+    }
+    *out = (unsigned int)v;
+    *set = 1;
     return 0;
 }
 
@@ -419,7 +444,7 @@ bad:
 }
 
 /* 910B3-like readings; see the "tele" grammar in control.py for the names. */
-static void default_tele(struct tele *t, int logic)
+static void default_tele(struct tele *t, int logic, int a3)
 {
     memset(t, 0, sizeof *t);
     t->temperature = 45;
@@ -452,7 +477,10 @@ static void default_tele(struct tele *t, int logic)
         t->pcie[a][1] = 30;
         t->pcie[a][2] = 20;
     }
-    t->mainboard_id = 0x64;
+    /* Board and main board by chip name: an A3 (910_93) chip on an Atlas 900 A3 SuperPoD (board 0xb0,
+     * main board 0x18); anything else an A2 board (0x21; its main board is not looked at). */
+    t->board_id = a3 ? 0xb0 : 0x21;
+    t->mainboard_id = a3 ? 0x18 : 0x64;
     t->nprocs = 2;
     t->procs[0] = (struct dcmi_proc_mem_info){1000 + 10 * logic, 1UL << 30};
     t->procs[1] = (struct dcmi_proc_mem_info){1001 + 10 * logic, 2UL << 30};
@@ -489,12 +517,27 @@ static int setup_topology(void)
 
         memcpy(g_dev[i].vdie, v, sizeof v);
         g_dev[i].pcie = (struct pcie_address){0, (0x01u + 0x10u * (unsigned int)i) & 0xFFu, 0, 0};
-        default_tele(&g_dev[i].tele, i);
+        default_tele(&g_dev[i].tele, i, name && strstr(name, "910_93") != NULL);
         snprintf(g_dev[i].serial, sizeof g_dev[i].serial, "FAKESN%04d", i / g_chips);
     }
     if (parse_per_chip("FAKE_DCMI_VDIE", set_vdie) || parse_per_chip("FAKE_DCMI_PCIE", set_pcie) ||
         parse_start_failures())
         return -1;
+    /* The board, read once at start by npu-exporter (and the agent): set before the first call. */
+    {
+        unsigned int board, mainboard;
+        int board_set, mainboard_set;
+
+        if (env_u32("FAKE_DCMI_BOARD_ID", &board, &board_set) ||
+            env_u32("FAKE_DCMI_MAINBOARD_ID", &mainboard, &mainboard_set))
+            return -1;
+        for (int i = 0; i < g_ndev; i++) {
+            if (board_set)
+                g_dev[i].tele.board_id = board;
+            if (mainboard_set)
+                g_dev[i].tele.mainboard_id = mainboard;
+        }
+    }
 
     if (!name || !*name)
         name = "910B3";
@@ -1042,6 +1085,17 @@ int dcmi_get_mainboard_id(int card_id, int device_id, unsigned int *mainboard_id
     return api_leave(DCMI_OK);
 }
 
+int dcmi_get_device_board_info(int card_id, int device_id, struct dcmi_board_info *board_info)
+{
+    TELE_ENTER(FN_BOARD_INFO, board_info);
+    memset(board_info, 0, sizeof *board_info);
+    board_info->board_id = t->board_id;
+    board_info->pcb_id = 1;
+    board_info->bom_id = 1;
+    board_info->slot_id = (unsigned int)logic_of(card_id, device_id);
+    return api_leave(DCMI_OK);
+}
+
 int dcmi_get_card_elabel_v2(int card_id, struct dcmi_elabel_info *elabel_info)
 {
     int logic, rc = api_enter_chip(FN_ELABEL, card_id, 0, &logic);
@@ -1207,6 +1261,11 @@ static void build_layout(void)
     L_FIELD(dcmi_elabel_info, manufacturer);
     L_FIELD(dcmi_elabel_info, manufacturer_date);
     L_FIELD(dcmi_elabel_info, serial_number);
+    L_STRUCT(dcmi_board_info);
+    L_FIELD(dcmi_board_info, board_id);
+    L_FIELD(dcmi_board_info, pcb_id);
+    L_FIELD(dcmi_board_info, bom_id);
+    L_FIELD(dcmi_board_info, slot_id);
     layout_add("}}");
 }
 
@@ -1628,6 +1687,7 @@ static const struct tele_field {
     TF("sio.tx", sio_tx, K_U16, 0),
     TF("sio.rx", sio_rx, K_U16, 0),
     TF("mainboard_id", mainboard_id, K_U32, 0),
+    TF("board_id", board_id, K_U32, 0),
 };
 
 /* Readable aliases for the utilization / frequency types npu-exporter asks for. */
