@@ -1,5 +1,5 @@
 """Run `npu-node-agent demo` under a real Prometheus: do the dashboards' queries return data, which alerts fire, and
-the pictures of both dashboards for the README.
+the pictures of both dashboards for docs/steps.md.
 
     .venv/bin/pip install -e '.[render]'     # matplotlib, for the pictures
     .venv/bin/python -m bench.demo_prometheus [--seconds 200] [--out-dir bench] [--prometheus /usr/bin/prometheus]

@@ -1,4 +1,4 @@
-"""Draw a Grafana dashboard of the chart to PNG from a real Prometheus, for the README.
+"""Draw a Grafana dashboard of the chart to PNG from a real Prometheus, for docs/steps.md.
 
 Run from the repository root (matplotlib needed: `.venv/bin/pip install -e '.[render]'`):
 

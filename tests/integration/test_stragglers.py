@@ -3,7 +3,7 @@ nodes, their scrapes judged by the chart's rules under the real promtool (testki
 
 One run of five jobs, each on nodes of its own, all finishing before the end of the run; each test
 asserts on the alerts that fired. Every job here made the detector before this one wrong
-(the agent README's "Detection: what is found, how fast, how often it is wrong"):
+(docs/steps.md, "Detection: what is found, how fast, how often it is wrong"):
 * the published 64-rank job (dp4 pp4 tp4), one worker 2.5x from the first step: nothing was found
   (its TP group is 4 of its node's 8 stage-0 ranks, and at most max(1, 5 %) could be slow);
 * tp8 on 8-rank nodes, a whole node is one worker, 10 % slower from step 30: the node rule could
