@@ -307,10 +307,10 @@ def run_pod(pod: Pod, arch: str, metrics_family: str, devices: int) -> dict:
 
 
 def build_fake_mspti(builder: str, out: Path) -> Path:
-    src = REPO / "testkit" / "fakes" / "mspti"
     out.mkdir(parents=True, exist_ok=True)
-    podman("run", "--rm", "--pull=never", "--network", "none", "--volume", f"{src}:/src:ro",
-           "--volume", f"{out}:/out", builder, "cc", *FLAGS, "-Wextra", "-o", "/out/libmspti.so", "/src/fake_mspti.c")
+    podman("run", "--rm", "--pull=never", "--network", "none", "--volume", f"{REPO}:/src:ro",
+           "--volume", f"{out}:/out", builder, "cc", *FLAGS, "-Wextra", "-o", "/out/libmspti.so",
+           "/src/testkit/fakes/mspti/fake_mspti.c")  # it includes /src/native/mspti_abi.h
     return out
 
 

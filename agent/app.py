@@ -26,6 +26,10 @@ driver or file system) it keeps apart so that its other calls go on:
 - default: 2 (asyncio's default executor, e.g. getaddrinfo).
 Threads start on demand and end after a minute without work, so an idle agent holds the few the
 device polls use; the bound on threads is the sum of the lanes' numbers.
+
+The rule is the agent process's. `agent.worker` is not part of it: it runs inside training processes,
+on a background thread of its own (and the native collector's callbacks on MSPTI's threads), without
+an event loop, because a training script must not have to run one (agent/worker/__init__.py).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from agent import __version__
 from agent.common.executor import Executor
@@ -53,6 +57,10 @@ from agent.http import HttpEndpoint
 from agent.lifecycle import STOP_BUDGET_S, Readiness, Supervisor
 from agent.metrics import AgentCollector, ExecutorCollector, make_registry
 from agent.model import PodsOf, no_pods
+
+if TYPE_CHECKING:  # imported only when enabled (agent.ondemand): an agent without them never loads them
+    from agent.ondemand import OnDemand
+    from agent.telemetry.sampler import TelemetrySampler
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +85,8 @@ class App:
     http: HttpEndpoint
     grpc: GrpcServer
     pods_of: PodsOf  # physical id -> the containers holding the NPU (empty without attribution)
-    profiling: object | None = None  # OnDemand, when profiling.disk_guard or profiling.metrics
-    telemetry: object | None = None  # TelemetrySampler, when telemetry.enabled
+    profiling: OnDemand | None = None  # when profiling.disk_guard or profiling.metrics
+    telemetry: TelemetrySampler | None = None  # when telemetry.enabled
 
     @property
     def guard(self):

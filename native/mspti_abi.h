@@ -1,5 +1,6 @@
 /* The parts of the MSPTI ABI (mspti_activity.h / mspti_callback.h / mspti_result.h) that the
- * agent uses, with the layouts measured from the real header (reference/taskd.md section 1.3):
+ * agent uses, with the layouts measured from the real header (the fake libmspti.so in testkit/ uses
+ * this header too):
  * the activity structs are packed and 8-byte aligned, so the uint64 fields sit at unaligned offsets. */
 #ifndef AGENT_NATIVE_MSPTI_ABI_H
 #define AGENT_NATIVE_MSPTI_ABI_H

@@ -55,7 +55,6 @@ class DatatraceSync:
         self._rejected_seen: set[tuple[str, str]] = set()
         self.rejected: Counter[str] = Counter()  # by kind: name, switch
         self.last: ApplyResult = ApplyResult()
-        self.passes = 0
         self._unavailable = ""
 
     @property
@@ -128,4 +127,3 @@ class DatatraceSync:
             # the next pass waits for the stuck one to return (the lane refuses the key meanwhile).
             self.last = await self._files_lane.run(self._files.apply, want.directories, synced,
                                                    timeout=APPLY_TIMEOUT_S, key="apply")
-            self.passes += 1

@@ -10,7 +10,3 @@ NETWORK_LEVELS = frozenset(
     {Level.NotHandleFault, Level.SubHealthFault, Level.PreSeparateNPU, Level.SeparateNPU}
 )
 
-
-def format_code(code: int) -> str:
-    """Upper-case hex without 0x, at least 8 digits (9-digit synthesized codes keep their length)."""
-    return f"{code:08X}"

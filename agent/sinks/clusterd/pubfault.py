@@ -50,20 +50,15 @@ def fault_id(node: str, device: int, public_code: str, level_since_ms: int) -> s
     return hashlib.sha256(f"{node}/npu/{device}/{public_code}/{level_since_ms}".encode()).hexdigest()
 
 
-def legacy_fault_id(node: str, device: int, public_code: str) -> str:
-    """The key agents sent before keys were per occurrence: one per (node, device, public code)."""
-    return hashlib.sha256(f"{node}/npu/{device}/{public_code}".encode()).hexdigest()
-
-
-def public_faults(node: str, state: DeviceState, public_codes: dict[str, str], legacy: bool = False) -> dict[str, PublicFault]:
+def public_faults(node: str, state: DeviceState, public_codes: dict[str, str]) -> dict[str, PublicFault]:
     code = public_codes.get(state.level.name)
     if not code:
         return {}
     codes = ",".join(c.text for c in state.codes)
     # (a start ClusterD would refuse cannot come from the engine; older logs may hold one)
     since = state.since_ms if state.since_ms >= MIN_TIME_MS else max(state.level_since_ms, MIN_TIME_MS)
-    key = legacy_fault_id(node, state.phy_id, code) if legacy else fault_id(node, state.phy_id, code, state.level_since_ms)
-    fault = PublicFault(key, code, since, state.phy_id, state.level.name, codes)
+    fault = PublicFault(fault_id(node, state.phy_id, code, state.level_since_ms), code, since, state.phy_id,
+                        state.level.name, codes)
     return {fault.fault_id: fault}
 
 
@@ -97,7 +92,7 @@ def _time_ok(value: int) -> bool:
     return len(str(value)) == 13 and value >= MIN_TIME_MS
 
 
-def request_problems(request: pb.PublicFaultRequest, resources_known: bool = True) -> list[str]:
+def request_problems(request: pb.PublicFaultRequest) -> list[str]:
     """ClusterD's request-level rules; any problem means a 409 for the whole request."""
     problems = []
     if not _ID.match(request.id):

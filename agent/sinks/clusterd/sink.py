@@ -198,8 +198,8 @@ class ClusterdSink:
         try:
             if saved is not None:
                 self._view = ClusterdView.from_dict(saved)
-            else:  # resynchronise from what an older agent's cursor says ClusterD holds
-                self._view, self._cursor = self._legacy_view(self._cursor), None
+            else:  # no view saved: whatever the cursor says, start from a resync
+                self._view, self._cursor = ClusterdView(), None
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             log.error("the clusterd sink's saved view is malformed; starting without it (faults ClusterD holds "
                       "from before may stay there)", extra={"error": str(exc)})
@@ -213,15 +213,6 @@ class ClusterdSink:
         log.info("clusterd sink starting", extra={
             "address": self._config.address, "resource": self._config.resource, "cursor": self._cursor,
             "pending": self.pending, "held": len(self._view.held), "recently_recovered": len(self._view.recovered)})
-
-    def _legacy_view(self, cursor: int | None) -> ClusterdView:
-        """A cursor saved without a view (an agent from before keys were per occurrence): ClusterD holds
-        the faults of the cursor's state under the old keys, which a resync then recovers."""
-        states = self._log.state_at(cursor) if cursor is not None else None
-        held: dict[str, PublicFault] = {}
-        for state in (states or {}).values():
-            held.update(public_faults(self._node, state, self._config.public_codes, legacy=True))
-        return ClusterdView(held=held)
 
     async def _deliver_once(self) -> bool:
         """Send the next batch; True when more is pending."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from testkit.fakes.cc import FLAGS, build_shared_library
 
 _HERE = Path(__file__).resolve().parent
-_DEPENDS = (_HERE / "mspti_abi.h", Path(__file__).resolve())
+_DEPENDS = (_HERE.parents[2] / "native" / "mspti_abi.h", Path(__file__).resolve())
 
 __all__ = ["build_fake_mspti", "load_fake_mspti"]
 

@@ -20,7 +20,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "mspti_abi.h"
+#include "../../../native/mspti_abi.h" /* the agent's own ABI header: one copy of the layouts */
 
 #define EXPORT __attribute__((visibility("default")))
 #define MAX_RECORD 56
