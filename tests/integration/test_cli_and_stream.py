@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -146,7 +147,10 @@ def test_demo_shows_faults_appearing_escalating_and_clearing(tmp_path):
     assert "ClusterD <- recover 020011001 NPU1 SeparateNPU" in out
     assert "DROPPED" not in out
     assert "disk guard: over 1 MiB -> aged " in out  # the simulated job's records
-    assert "slow worker 5 (rank(s) 5, stage 1) of job demo-job: computes +1" in out  # rank 5, 15 % slower from 18 s
+    # rank 5, 15 % slower from 18 s. Evidence is step-indexed: the first verdict may come while the slow steps are
+    # half of the last 8 (+8 %, the median of the window) or after (+15 %), as the records happen to be read.
+    excess = re.search(r"slow worker 5 \(rank\(s\) 5, stage 1\) of job demo-job: computes \+(\d+)% over", out)
+    assert excess and 5 <= int(excess.group(1)) <= 16, out
     assert "slow rank(s) 0-15 of job demo-job: reason=temporal" in out  # every rank waits for it
     assert time.monotonic() - started < 40
     assert (tmp_path / "demo" / "config.yaml").is_file()
