@@ -18,11 +18,11 @@ retired: kept for `retire_after_s` from the first start without it (a sink switc
 and back on within that while resumes where it was), then dropped. Its own state stays (small, and
 still true of its peer): switched on later, the sink resynchronises its peer from it.
 
-On the event loop the `*_async` methods are used: the state is computed on the loop, the bytes go
-to disk in the fault log's lane of the executor (`lane`), one write at a time and in order. A write
-is never abandoned (one whose outcome is unknown cannot be retried: it may still land), so a slow
-disk is waited for, and `stalled` says so meanwhile. The blocking methods are for the start (before
-anything runs) and for tests.
+Writes go through the `*_async` methods, on the event loop: the state is computed on the loop, the
+bytes go to disk in the fault log's lane of the executor (`lane`), one write at a time and in order.
+A write is never abandoned (one whose outcome is unknown cannot be retried: it may still land), so a
+slow disk is waited for, and `stalled` says so meanwhile. Only `open` blocks: it runs at the start,
+before anything else does.
 """
 
 from __future__ import annotations
@@ -121,6 +121,7 @@ class FaultLog:
         self._busy = asyncio.Lock()  # one *_async operation at a time: revisions are assigned in order
         self.stalled = ""  # why the fault log is not writing, while a write is slow
         self._path = self._dir / "log"
+        self._cursors_path = self._dir / "cursors.json"
         self._keep_recent = keep_recent
         self._fsync = fsync
         self.epoch = ""
@@ -134,7 +135,7 @@ class FaultLog:
         self._torn = False
         self.truncated_bytes = 0
         self.resets: list[str] = []  # why this open started a new epoch (empty: it did not)
-        # The previous run ended with close() (a clean stop): nothing it sent can still be in flight.
+        # The previous run ended with close_async() (a clean stop): nothing it sent can still be in flight.
         self.previous_clean = False
 
     # ---- opening ------------------------------------------------------------------------------
@@ -142,7 +143,7 @@ class FaultLog:
     def open(self) -> None:
         self._dir.mkdir(parents=True, exist_ok=True)
         epoch = self._read_json(self._dir / "meta.json", "fault log metadata").get("epoch")
-        saved = self._read_json(self._dir / "cursors.json", "fault log cursors")
+        saved = self._read_json(self._cursors_path, "fault log cursors")
         self._sinks = self._read_sinks(saved, epoch)
         self.previous_clean = saved.get("clean") is True
         existed = self._path.exists()
@@ -171,7 +172,8 @@ class FaultLog:
                             "current state, stream clients get a snapshot)",
                             extra={"path": str(self._path), "reasons": reasons, "revision": self.revision})
         self._retire()
-        self._save_cursors()  # until close() says otherwise, this run did not end cleanly (and retirements)
+        # Until close_async() says otherwise, this run did not end cleanly (and the retirements are saved).
+        atomic_write(self._cursors_path, self._cursors_data())
 
     def _read_json(self, path: Path, what: str) -> dict:
         return read_state(path, what, _object) or {}
@@ -183,7 +185,7 @@ class FaultLog:
         items = saved.get("sinks")
         if not isinstance(items, dict):
             log.error("the sinks' cursors are malformed; every sink resynchronises its peer",
-                      extra={"path": str(self._dir / "cursors.json")})
+                      extra={"path": str(self._cursors_path)})
             items = {}
         for name, item in items.items():
             try:
@@ -194,7 +196,7 @@ class FaultLog:
                                         _time(item.get("unconfigured_since")))
             except (AttributeError, KeyError, TypeError, ValueError):
                 log.error("a sink's cursor is malformed; that sink resynchronises its peer",
-                          extra={"path": str(self._dir / "cursors.json"), "sink": name})
+                          extra={"path": str(self._cursors_path), "sink": name})
         return sinks
 
     def _load(self) -> bool:
@@ -246,21 +248,13 @@ class FaultLog:
 
     # ---- writing ------------------------------------------------------------------------------
 
-    def append(self, states: list[DeviceState]) -> list[Change]:
+    async def append_async(self, states: list[DeviceState]) -> list[Change]:
         """Write the changes and sync them to disk; only then are they handed to anyone.
 
         OSError (disk full, read-only, EIO) leaves the log as it was: the file is cut back to its
-        last whole record and no revision is used up, so the caller can simply try again."""
-        changes, data = self._encode(states)
-        if changes:
-            self._write_records(data)
-            self._added(changes, data)
-            self._maybe_compact()
-        return changes
-
-    async def append_async(self, states: list[DeviceState]) -> list[Change]:
-        """`append` with the disk I/O off the loop. Cancelling the caller does not cancel the write:
-        it completes (and is accounted for) before the next operation starts."""
+        last whole record and no revision is used up, so the caller can simply try again.
+        Cancelling the caller does not cancel the write: it completes (and is accounted for) before
+        the next operation starts."""
         return await asyncio.shield(self._append_in_order(states))
 
     async def _append_in_order(self, states: list[DeviceState]) -> list[Change]:
@@ -269,7 +263,7 @@ class FaultLog:
             if changes:
                 await self._io(self._write_records, data)
                 self._added(changes, data)
-                await self._compact_async()
+                await self._compact()
             return changes
 
     def _encode(self, states: list[DeviceState]) -> tuple[list[Change], bytes]:
@@ -329,22 +323,14 @@ class FaultLog:
             self._torn = True
             log.warning("cannot cut a failed append off the fault log yet", extra={"error": str(exc)})
 
-    def close(self) -> None:
+    async def close_async(self) -> None:
         """At a clean stop: note the last revision (a log cut short before the next start is noticed)
         and that nothing this run sent can still be in flight."""
         if not self.epoch:
             return
-        try:
-            self._save_cursors(clean=True)
-        except OSError as exc:
-            log.warning("cannot note the fault log's last revision at shutdown", extra={"error": str(exc)})
-
-    async def close_async(self) -> None:
-        if not self.epoch:
-            return
         async with self._busy:
             try:
-                await self._io(atomic_write, self._dir / "cursors.json", self._cursors_data(clean=True))
+                await self._save_cursors(clean=True)
             except OSError as exc:
                 log.warning("cannot note the fault log's last revision at shutdown", extra={"error": str(exc)})
 
@@ -386,29 +372,19 @@ class FaultLog:
         entry = self._sinks.get(sink)
         return entry.state if entry is not None else None
 
-    def commit(self, sink: str, revision: int, state: dict | None = None) -> None:
-        """`sink`'s peer acknowledged everything up to `revision` (OSError: not saved, try again)."""
-        previous = self._set_cursor(sink, revision, state)
-        try:
-            self._save_cursors()
-        except OSError:
-            self._put_back(sink, previous)
-            raise
-        self._maybe_compact()
-
     async def commit_async(self, sink: str, revision: int, state: dict | None = None) -> None:
-        """`commit` with the disk I/O off the loop."""
+        """`sink`'s peer acknowledged everything up to `revision` (OSError: not saved, try again)."""
         await asyncio.shield(self._commit_in_order(sink, revision, state))
 
     async def _commit_in_order(self, sink: str, revision: int, state: dict | None) -> None:
         async with self._busy:
             previous = self._set_cursor(sink, revision, state)
             try:
-                await self._io(atomic_write, self._dir / "cursors.json", self._cursors_data())
+                await self._save_cursors()
             except OSError:
                 self._put_back(sink, previous)
                 raise
-            await self._compact_async()
+            await self._compact()
 
     def _set_cursor(self, sink: str, revision: int, state: dict | None) -> SinkEntry | None:
         """Set the cursor in memory; returns the one it replaced, to put back if the save fails."""
@@ -427,8 +403,8 @@ class FaultLog:
         cursor = self.cursor(sink)
         return self.revision - (self._base_revision if cursor is None else cursor)
 
-    def _save_cursors(self, clean: bool = False) -> None:
-        atomic_write(self._dir / "cursors.json", self._cursors_data(clean))
+    async def _save_cursors(self, clean: bool = False) -> None:
+        await self._io(atomic_write, self._cursors_path, self._cursors_data(clean))
 
     def _cursors_data(self, clean: bool = False) -> bytes:
         data = {"epoch": self.epoch, "revision": self.revision, "clean": clean,
@@ -475,54 +451,27 @@ class FaultLog:
         dead = boundary - self._base_revision
         return None if dead < 1024 or dead * 2 < len(self._records) else boundary
 
-    def _maybe_compact(self) -> None:
+    async def _compact(self) -> None:
+        """Drop the cursors whose retirement is over, then, when enough is dead, fold every change up
+        to the boundary into the base record and rewrite the file."""
         if self._retire():
             try:
-                self._save_cursors()
+                await self._save_cursors()
             except OSError:  # saved with the next commit, or dropped again at the next open
                 pass
         boundary = self._compaction_due()
         if boundary is None:
             return
-        try:
-            self.compact(boundary)
-        except OSError as exc:  # the log stays as it is, only longer; the next append tries again
-            log.warning("fault log compaction failed", extra={"error": str(exc), "records": len(self._records)})
-
-    async def _compact_async(self) -> None:
-        if self._retire():
-            try:
-                await self._io(atomic_write, self._dir / "cursors.json", self._cursors_data())
-            except OSError:  # saved with the next commit, or dropped again at the next open
-                pass
-        boundary = self._compaction_due()
-        plan = self._compaction(boundary) if boundary is not None else None
-        if plan is None:
-            return
-        try:
-            await self._io(atomic_write, self._path, plan[2])
-        except OSError as exc:
-            log.warning("fault log compaction failed", extra={"error": str(exc), "records": len(self._records)})
-            return
-        self._compacted(boundary, *plan)
-
-    def compact(self, boundary: int) -> None:
-        """Fold every change up to `boundary` into the base record and rewrite the file."""
-        plan = self._compaction(boundary)
-        if plan is not None:
-            atomic_write(self._path, plan[2])
-            self._compacted(boundary, *plan)
-
-    def _compaction(self, boundary: int) -> tuple[dict[int, DeviceState], list[Change], bytes] | None:
-        base = self.state_at(boundary)
-        if base is None or boundary <= self._base_revision:
-            return None
+        base = self.state_at(boundary)  # not None: the boundary is past the base record
         kept = [c for c in self._records if c.revision > boundary]
         lines = [_line({"base": True, "rev": boundary, "devices": [state_to_dict(s) for s in base.values()]})]
         lines += [_line({"rev": c.revision, "state": state_to_dict(c.state)}) for c in kept]
-        return base, kept, b"".join(lines)
-
-    def _compacted(self, boundary: int, base: dict[int, DeviceState], kept: list[Change], data: bytes) -> None:
+        data = b"".join(lines)
+        try:
+            await self._io(atomic_write, self._path, data)
+        except OSError as exc:  # the log stays as it is, only longer; the next append tries again
+            log.warning("fault log compaction failed", extra={"error": str(exc), "records": len(self._records)})
+            return
         self._size = len(data)
         self._base, self._base_revision = base, boundary
         self._records = deque(kept)

@@ -51,7 +51,7 @@ def test_a_pass_that_fails_is_restarted_and_the_next_file_loads(tmp_path):
             assert fault_log.latest()[0].state.level is Level.RestartNPU
         finally:
             await service.stop()
-            fault_log.close()
+            await fault_log.close_async()
             executor.close()
 
     asyncio.run(body())

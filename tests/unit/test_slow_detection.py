@@ -64,6 +64,11 @@ def layout_replay(job: TrainingJob, steps: range, *, groups: bool = True, order=
     """A testkit job's true timings, every rank on one node; `order` shuffles the ranks of each step."""
     detector = detector or SlowRankDetector()
     layout = job.layout
+    # Each rank's stage and tensor group, from its parallel_group.json (the same at every step).
+    places = {}
+    for rank in range(layout.ranks):
+        group = layout.parallel_group(rank) if groups else {}
+        places[rank] = (pipeline_stage(group, rank) if groups else "", tensor_group(group, rank))
     for number in steps:
         timing = job.timings(number)
         end = job.step_start(number) + timing.duration
@@ -71,11 +76,9 @@ def layout_replay(job: TrainingJob, steps: range, *, groups: bool = True, order=
         if order is not None:
             order.shuffle(ranks)
         for rank in ranks:
-            group = layout.parallel_group(rank) if groups else {}
-            stage = pipeline_stage(group, rank) if groups else ""
             sample = StepSample(number, 40_000 + rank, "device", 0, round(timing.rank_duration[rank] * 1e9), end,
                                 timing.forward[rank], timing.dataloader[rank], 0.0)
-            detector.observe(RankKey(job.job_id, rank), sample, stage, tensor_group(group, rank))
+            detector.observe(RankKey(job.job_id, rank), sample, *places[rank])
         if settle:
             detector.settle(job.job_id)
     return detector
@@ -134,6 +137,9 @@ def test_stage_imbalance_is_not_a_slow_worker_when_the_stages_are_known():
 
 
 def test_random_sequence_length_imbalance_blames_no_one_in_any_order():
+    """Slow by design (1 to 2 s a replay, and there are two): 200 steps of 64 ranks judge the 128-step
+    window some 50 times (it is full only after the 20 warm-up steps and 128 more), and the second
+    replay, in another order, must reach the same verdicts."""
     job = TrainingJob(tp=2, dp=16, pp=2, seed=7, steps=200, seq_imbalance=True, step_s=9.07, forward_s=3.0)
     verdicts = []
     for seed in (1, 2):
@@ -157,6 +163,8 @@ def test_the_evidence_is_the_median_of_each_window_against_the_stages_lower_quar
 
 
 def test_clean_steps_raise_nothing_and_a_slow_rank_is_found_within_five_slow_steps():
+    """Slow by design (1 to 2 s): 2,000 clean steps of 32 ranks, checkpoints among them, are the stretch
+    in which nothing may be flagged before the slowdown begins."""
     # Rank 13's forward 15 % slower from step 2000 (a checkpoint step, so 2001 is the first eligible one).
     slow = Replay(SyntheticJob(ranks=32, stages=8, forward_share=0.9, checkpoint_every=500, seed=11,
                                slow_rank=13, slow_from_step=2000), batch=20)

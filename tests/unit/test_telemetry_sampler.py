@@ -83,7 +83,7 @@ def values(families, name) -> dict[tuple, float]:
 def test_groups_run_on_their_own_intervals_and_a_group_at_zero_is_off():
     async def main():
         source, executor = Source(), Executor()
-        sampler = sampler_for(source, executor, utilization=1, npu=5)
+        sampler = sampler_for(source, executor, utilization=0.2, npu=5)
         await sampler.start()
         try:
             await until(lambda: source.calls[(7, "utilization")] >= 3, 10, "three utilization rounds")
@@ -101,7 +101,7 @@ def test_a_hung_read_reads_unknown_is_not_called_again_while_stuck_and_holds_up_
         source, executor = Source(), Executor()
         source.hold["network_health"] = threading.Event()
         source.hold["hccs"] = threading.Event()
-        sampler = sampler_for(source, executor)
+        sampler = sampler_for(source, executor, utilization=0.2, npu=0.5, hccs=0.5)  # rounds sooner than 1 s apart
         await sampler.start()
         try:
             # network health: npu-exporter's failure value -1; hccs: every value -1
