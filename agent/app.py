@@ -46,20 +46,26 @@ from typing import TYPE_CHECKING, Callable
 
 from agent import __version__
 from agent.common.executor import Executor
+from agent.common.metrics import ExecutorCollector, StateFileCollector
 from agent.config import Config
 from agent.devices.base import DeviceBackend
+from agent.devices.metrics import DriverCollector
 from agent.devices.monitor import DeviceMonitor
 from agent.faults.hub import FaultHub
 from agent.faults.log import FaultLog
+from agent.faults.metrics import FaultCollector, FaultLogCollector
 from agent.faults.service import FaultService
 from agent.grpc_server import GrpcServer
 from agent.http import HttpEndpoint
-from agent.lifecycle import STOP_BUDGET_S, Readiness, Supervisor
-from agent.metrics import AgentCollector, ExecutorCollector, make_registry
-from agent.model import PodsOf, no_pods
+from agent.lifecycle import STOP_BUDGET_S, LifecycleCollector, Readiness, Supervisor
+from agent.metrics import BuildInfoCollector, make_registry
+from agent.model import PodsOf, Sink, no_pods
+from agent.sinks.metrics import SinkCollector
 
 if TYPE_CHECKING:  # imported only when enabled (agent.ondemand): an agent without them never loads them
+    from agent.diskguard.guard import DiskGuard
     from agent.ondemand import OnDemand
+    from agent.steps.consumer import StepMetrics
     from agent.telemetry.sampler import TelemetrySampler
 
 log = logging.getLogger(__name__)
@@ -89,14 +95,31 @@ class App:
     telemetry: TelemetrySampler | None = None  # when telemetry.enabled
 
     @property
-    def guard(self):
+    def guard(self) -> DiskGuard | None:
         """The DiskGuard, once built (profiling.disk_guard; see agent.ondemand)."""
-        return self.profiling.part("disk-guard") if self.profiling else None
+        return built_guard(self.profiling) if self.config.profiling.disk_guard else None
 
     @property
-    def steps(self):
+    def steps(self) -> StepMetrics | None:
         """The StepMetrics, once built (profiling.metrics; see agent.ondemand)."""
-        return self.profiling.part("step-metrics") if self.profiling else None
+        return built_steps(self.profiling) if self.config.profiling.metrics else None
+
+
+# The profiling root's parts, by class. Their modules are imported only once the parts are built (which
+# loaded them): an agent whose root holds nothing never loads them (agent.ondemand).
+
+def built_guard(followers: OnDemand | None) -> DiskGuard | None:
+    if not (followers and followers.parts):
+        return None
+    from agent.diskguard.guard import DiskGuard
+    return followers.part(DiskGuard)
+
+
+def built_steps(followers: OnDemand | None) -> StepMetrics | None:
+    if not (followers and followers.parts):
+        return None
+    from agent.steps.consumer import StepMetrics
+    return followers.part(StepMetrics)
 
 
 def make_backend(config: Config, clock: Callable[[], float] = time.time) -> DeviceBackend:
@@ -163,12 +186,15 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
         attribution = PodAttribution(kube.pod_resources_socket, kube.pod_resources_refresh_seconds)
     pods_of = attribution.pods_of if attribution else no_pods
 
-    sinks = []
+    sinks: list[Sink] = []
     if config.clusterd.enabled:
+        from agent.sinks.clusterd.metrics import ClusterdCollector
         from agent.sinks.clusterd.sink import ClusterdSink
 
         # Until every device was polled, the log's last states may be stale: ClusterD waits for the hub.
-        sinks.append(ClusterdSink(config.clusterd, node, fault_log, clock, pods_of, devices_known=lambda: hub.current))
+        clusterd = ClusterdSink(config.clusterd, node, fault_log, clock, pods_of, devices_known=lambda: hub.current)
+        sinks.append(clusterd)
+        collectors.append(ClusterdCollector(node, clusterd))
     if kube.enabled and kube.device_info_configmap:
         from agent.sinks.configmap.sink import DeviceInfoConfigMapSink
 
@@ -239,12 +265,12 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     if guard_lane:
         from agent.diskguard.metrics import DiskGuardCollector
 
-        collectors.append(DiskGuardCollector(node, lambda: followers.part("disk-guard"),
+        collectors.append(DiskGuardCollector(node, lambda: built_guard(followers),
                                              config.profiling.disk_limit_mb * MIB))
     if tailer_lane:
         from agent.steps.metrics import StepCollector
 
-        collectors.append(StepCollector(node, lambda: followers.part("step-metrics")))
+        collectors.append(StepCollector(node, lambda: built_steps(followers)))
     if config.datatrace.enabled:
         from agent.datatrace.metrics import DatatraceCollector
         from agent.datatrace.sync import DatatraceSync
@@ -275,8 +301,11 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     rest = [*servers, *sinks, faults, monitor, *([telemetry] if telemetry else []),
             *([node_pods] if node_pods and node_pods.subscribed else []), *profiling]
     readiness = Readiness([*first, *rest])  # the endpoint that answers /readyz is ready by answering
-    collectors[:0] = [AgentCollector(node, monitor, faults, hub, fault_log, sinks, readiness.ready_by_component,
-                                     pods_of), ExecutorCollector(node, executor)]
+    # Each subsystem's families (the telemetry, profiling, datatrace and proxy ones are above).
+    writes = [*faults.writes, *(write for sink in sinks for write in sink.writes)]
+    collectors[:0] = [FaultCollector(node, monitor, faults, pods_of), FaultLogCollector(node, fault_log),
+                      SinkCollector(node, hub, sinks), StateFileCollector(node, writes), DriverCollector(node, monitor),
+                      LifecycleCollector(node, readiness), BuildInfoCollector(node), ExecutorCollector(node, executor)]
     http = HttpEndpoint(config.http.listen, make_registry(*collectors), readiness.check, lane=executor.lane("metrics"))
     supervisor = Supervisor([*first, http, *rest])
     return App(config, executor, supervisor, readiness, hub, fault_log, faults, monitor, http, servers[0], pods_of,

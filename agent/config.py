@@ -1,7 +1,10 @@
-"""The agent's configuration: schema with defaults, YAML loading, environment overrides, validation.
+"""The agent's configuration: every key declared once, YAML loading, environment overrides, validation.
 
-Every key is optional; an unknown key is an error that names its full path, so a typo never
-silently falls back to a default.
+Each key is a dataclass field made by `key()`: its default, its meaning and what it accepts. From
+that one declaration the agent validates a configuration (every problem listed at once), and
+tests/support/gendocs.py writes docs/configuration.md, the chart's `agent:` values, their schema and
+the chart README's table; tests fail while a generated file differs. Every key is optional; an
+unknown key is an error that names its full path, so a typo never silently falls back to a default.
 """
 
 from __future__ import annotations
@@ -21,154 +24,271 @@ import yaml
 from agent.common.errors import ConfigError, quote
 from agent.model import Level
 
+Number = typing.Union[int, float]
+
+
+@dataclass(frozen=True)
+class Key:
+    """What a key means and accepts. Cross-key rules are `needs` and `floor`; anything else a
+    `check` says (it raises ValueError with the reason)."""
+
+    meaning: str  # one line of Markdown, for the docs, the chart's values and its README
+    between: tuple[Number, Number | None] | None = None  # inclusive range (None: no maximum)
+    off: Number | None = None  # a value outside `between` that turns the feature off
+    note: str = ""  # why the range is what it is, said with a range error
+    choices: tuple = ()
+    shape: str = ""  # "host_port", "absolute_path", "absolute_path_or_empty" or "not_empty"
+    needs: str = ""  # a boolean key that must be true when this boolean one is
+    floor: str = ""  # a key (of the same section) whose value is this one's minimum
+    check: typing.Callable[[typing.Any], None] | None = None
+    accepts: str = ""  # what `check` accepts, for the docs
+    mapping: tuple[tuple[str, ...], str, str] | None = None  # a mapping's keys, its values' regex and their name
+
+    def text(self) -> str:
+        """What the key accepts, in Markdown (the docs' and the chart README's "accepts" column)."""
+        if self.accepts:
+            return self.accepts
+        if self.choices:
+            return ", ".join(f"`{choice}`" if choice else '`""`' for choice in self.choices)
+        if self.shape:
+            return {"host_port": "`HOST:PORT`", "absolute_path": "absolute path",
+                    "absolute_path_or_empty": 'absolute path or `""`', "not_empty": "not empty"}[self.shape]
+        if self.mapping:
+            keys, _, name = self.mapping
+            return f"`{keys[0]}` … `{keys[-1]}` → {name}"
+        if self.between:
+            low, high = self.between
+            floor = f"`{self.floor}`" if self.floor else _number(low)
+            shown = f"≥ {floor}" if high is None else f"{floor}..{_number(high)}"
+            return f"{_number(self.off)} (off) or {shown}" if self.off is not None else shown
+        return ""
+
+
+def key(default, meaning: str, **accepts) -> typing.Any:
+    """A configuration key: a dataclass field carrying its declaration (see `Key`)."""
+    if accepts.get("needs"):
+        meaning = f"{meaning}; needs `{accepts['needs']}`"
+    declared = {"key": Key(meaning, **accepts)}
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=declared)
+    return field(default=default, metadata=declared)
+
+
+def section(cls: type) -> typing.Any:
+    return field(default_factory=cls)
+
+
+def _number(value: Number | None) -> str:
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def _node_name(name: str) -> None:
+    if not NODE_NAME.fullmatch(name):
+        raise ValueError(f"{quote(name)} is not a node name ClusterD and Kubernetes accept (lower-case letters, "
+                         "digits, '-' and '.', starting and ending with a letter or digit, at most 253 characters); "
+                         "set node_name or NODE_NAME")
+
+
+def _level_or_empty(name: str) -> None:
+    if name:
+        Level.parse(name)
+
+
+FAULT_LEVELS = tuple(level.name for level in Level if level is not Level.NormalNPU)
+
 
 @dataclass
 class LogConfig:
-    level: str = "info"  # debug | info | warning | error
-    format: str = "json"  # json | text
+    level: str = key("info", "how much is logged", choices=("debug", "info", "warning", "error"))
+    format: str = key("json", "`json`: one object per line on stderr; `text`: for people", choices=("json", "text"))
 
 
 @dataclass
 class HttpConfig:
-    listen: str = "0.0.0.0:9410"
+    listen: str = key("0.0.0.0:9410", "where `/metrics`, `/healthz` and `/readyz` are served", shape="host_port")
 
 
 @dataclass
 class GrpcConfig:
-    listen: str = "0.0.0.0:9411"
+    listen: str = key("0.0.0.0:9411", "where the fault stream (`npuagent.v1.NodeFaults`), gRPC health and "
+                      "reflection are served", shape="host_port")
 
 
 @dataclass
 class SimulatedConfig:
-    devices: int = 8
-    chip_name: str = "910B3"
-    scenario: str = ""  # YAML file of timed fault injections
+    devices: int = key(8, "NPUs of the simulated backend", between=(1, 64))
+    chip_name: str = key("910B3", "the chip name the simulated NPUs report", shape="not_empty")
+    scenario: str = key("", "YAML file of timed fault injections for the simulated backend; empty: none")
 
 
 @dataclass
 class DevicesConfig:
-    backend: str = "dcmi"  # dcmi | simulated
-    dcmi_library: str = ""
-    poll_interval_seconds: float = 5.0
-    call_timeout_seconds: float = 2.0  # a driver call slower than this reports the device unknown
-    simulated: SimulatedConfig = field(default_factory=SimulatedConfig)
+    backend: str = key("dcmi", "`dcmi`: the NPU driver's `libdcmi.so`; `simulated`: fake NPUs, to try the agent "
+                       "without NPUs", choices=("dcmi", "simulated"))
+    dcmi_library: str = key("", "path of `libdcmi.so`; empty: `LD_LIBRARY_PATH`, the ld cache, then "
+                            "`/usr/local/Ascend/driver/lib64/driver/libdcmi.so`")
+    poll_interval_seconds: float = key(5.0, "how often every device's health and error codes are read; the "
+                                       "driver's fault events arrive in between", between=(0.2, 3600))
+    call_timeout_seconds: float = key(2.0, "a driver call slower than this marks the device unknown (health `-1`) "
+                                      "and keeps its last known faults", between=(0.05, 60))
+    simulated: SimulatedConfig = section(SimulatedConfig)
 
 
 @dataclass
 class FaultLogConfig:
-    # A sink switched off (e.g. clusterd.enabled: false) keeps its place in the fault log this long
-    # from the first start without it, so that switched back on within it, it resumes where it was.
-    # Meanwhile the log keeps every change since that place; then the cursor is dropped, and a sink
-    # switched on later resynchronises its peer from the current state.
-    retire_unconfigured_cursors_after_seconds: float = 86400.0
+    retire_unconfigured_cursors_after_seconds: float = key(
+        86400.0, "how long the cursor of a sink that is switched off (`clusterd.enabled: false`) is kept, from the "
+        "first start without it: switched back on within it, the sink resumes where it was; then the cursor is "
+        "dropped so that the fault log compacts again (switched on later, the sink resynchronises its peer from "
+        "the current state)", between=(0, 2_592_000), note="30 days")
 
 
 @dataclass
 class FaultsConfig:
-    fault_code_file: str = ""
-    customization_file: str = ""
-    unknown_code_level: str = ""
+    fault_code_file: str = key("", "code-to-level table in the device plugin's `faultCode.json` format; empty: the "
+                               "built-in table (every code of the device plugin's shipped file). Re-read when it "
+                               "changes; a bad file keeps the rules in force")
+    customization_file: str = key("", "frequency and duration escalation rules in the device plugin's "
+                                  "`faultCustomization.json` format; empty: the built-in rules (the device plugin's "
+                                  "shipped file; `{}` in a file means none). Re-read when it changes")
+    unknown_code_level: str = key("", "the level of a code no table lists; empty: the driver's severity decides, "
+                                  "as in the device plugin", choices=("", *FAULT_LEVELS), check=_level_or_empty)
 
 
-def _default_public_codes() -> dict[str, str]:
-    return {
-        "SubHealthFault": "010011001", "PreSeparateNPU": "010011002", "RestartRequest": "020011002",
-        "RestartBusiness": "020011002", "FreeRestartNPU": "020011002", "RestartNPU": "020011002",
-        "SeparateNPU": "020011001", "ManuallySeparateNPU": "020011001",
-    }
+DEFAULT_PUBLIC_CODES = {
+    "SubHealthFault": "010011001", "PreSeparateNPU": "010011002", "RestartRequest": "020011002",
+    "RestartBusiness": "020011002", "FreeRestartNPU": "020011002", "RestartNPU": "020011002",
+    "SeparateNPU": "020011001", "ManuallySeparateNPU": "020011001",
+}
 
 
 @dataclass
 class ClusterdConfig:
-    enabled: bool = False
-    address: str = "clusterd-grpc-svc.mindx-dl.svc.cluster.local:8899"
-    resource: str = "npu-node-agent"
-    public_codes: dict[str, str] = field(default_factory=_default_public_codes)
-    # Re-send the public faults ClusterD should hold (and the recent recovers it should not) this
-    # often, for a ClusterD that restarted without this agent noticing (behind a proxy). One request
-    # per 100 faults (held, or recovered in the last 10 minutes), nothing from a node without;
-    # ClusterD's budget of 1 request/s is shared by every node of the cluster.
-    reconcile_interval_seconds: float = 1800.0
+    enabled: bool = key(False, "send public faults to ClusterD's `PubFault` service")
+    address: str = key("clusterd-grpc-svc.mindx-dl.svc.cluster.local:8899",
+                       "ClusterD's gRPC address; `MINDX_SERVER_IP` replaces the host", shape="host_port")
+    resource: str = key("npu-node-agent", "the resource the agent sends as; ClusterD accepts only resources its "
+                        "configuration lists", shape="not_empty")
+    public_codes: dict[str, str] = key(
+        DEFAULT_PUBLIC_CODES, "the public fault code sent for a device at each level; a level left out is not sent",
+        mapping=(FAULT_LEVELS, r"[0-9]{9}", "a 9-digit public fault code"))
+    # One request per 100 faults (held, or recovered in the last 10 minutes), nothing from a node
+    # without; ClusterD's budget of 1 request/s is shared by every node of the cluster.
+    reconcile_interval_seconds: float = key(
+        1800.0, "how often the agent re-sends what ClusterD should hold (and the recent recovers it should not), "
+        "for a ClusterD that restarted without the agent noticing (behind a proxy)", between=(30, 86400))
 
 
 @dataclass
 class KubernetesConfig:
-    enabled: bool = False
-    device_info_configmap: bool = False
-    watch_timeout_seconds: int = 300  # the server ends each watch after this; it is then resumed
-    # The kubelet's PodResources API: which pod holds which NPU ("" = no attribution). Needs no API server.
-    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
-    pod_resources_refresh_seconds: float = 10.0
+    enabled: bool = key(False, "use the API server (in-cluster configuration, else `KUBECONFIG`): this node's pods "
+                        "give the step metrics their job labels and the TaskD proxy its pod check; "
+                        "`device_info_configmap` and `datatrace.enabled` need it")
+    device_info_configmap: bool = key(False, "write `kube-system/mindx-dl-deviceinfo-<node>` as the device plugin "
+                                      "does; only where the device plugin does not (both would overwrite each "
+                                      "other)", needs="kubernetes.enabled")
+    watch_timeout_seconds: int = key(300, "the server ends each list/watch after this and the agent resumes it",
+                                     between=(1, 3600))
+    pod_resources_socket: str = key("/var/lib/kubelet/pod-resources/kubelet.sock",
+                                    "the kubelet's PodResources socket, to name the pod holding each NPU; empty: no "
+                                    "attribution. Needs no API server", shape="absolute_path_or_empty")
+    pod_resources_refresh_seconds: float = key(10.0, "how often the pods holding NPUs are asked for (also right "
+                                               "after a fault changes)", between=(0.5, 3600))
 
 
 @dataclass
 class ProfilingConfig:
-    root: str = "/user/cluster-info/profiling"
-    disk_limit_mb: int = 5000
-    disk_guard: bool = True  # the node-level owner of disk_limit_mb (TaskD workers each walk the tree otherwise)
-    metrics: bool = True
+    root: str = key("/user/cluster-info/profiling", "the profiling directory the training processes write their "
+                    "records to (`<root>/<job>/<rank>/<file>`)", shape="absolute_path")
+    disk_limit_mb: int = key(5000, "MiB (as TaskD counts) the profiling tree may hold before the disk guard deletes "
+                             "its oldest record files; 0 measures without deleting", between=(0, None),
+                             note="0 measures the tree without aging it")
+    disk_guard: bool = key(True, "keep `disk_limit_mb` on this node as its one owner (false: leave it to TaskD's "
+                           "workers, each of which walks the tree); loaded once the root first holds something")
+    metrics: bool = key(True, "read the records into per-rank step metrics and detect slow ranks; loaded once the "
+                        "root first holds something")
 
 
 @dataclass
 class DatatraceConfig:
-    enabled: bool = False
-    root: str = "/user/cluster-info/datatrace-config"
+    enabled: bool = key(False, "keep `<root>/<namespace>.data-trace-<job>/profilingSwitch` equal to the "
+                        "`data-trace-<job>` ConfigMaps; not where the device plugin also writes them",
+                        needs="kubernetes.enabled")
+    root: str = key("/user/cluster-info/datatrace-config", "the directory training containers read their "
+                    "profiling switch from", shape="absolute_path")
 
 
 @dataclass
 class TaskdProxyConfig:
-    enabled: bool = False
-    listen: str = "127.0.0.1:9602"
-    manager_port: int = 9601
-    dial_timeout_seconds: float = 5.0  # per attempt to reach a job's manager; retried with backoff
-    hold_seconds: float = 60.0  # how long a message waits for an unreachable manager
-    queue_limit: int = 1024  # messages held per job while its manager is unreachable
-    # Bytes of messages the proxy may hold (on their way to a manager, or queued for a worker): per
-    # job and for the node. Messages are held in their wire form, so the node default fits the
-    # chart's 512 MiB memory limit with room.
-    job_buffer_mb: int = 32
-    node_buffer_mb: int = 64
+    enabled: bool = key(False, "serve TaskD's TaskNet for every job on the node")
+    listen: str = key("127.0.0.1:9602", "where the node's TaskNet proxy listens (TaskD workers dial "
+                      "`127.0.0.1:9602`)", shape="host_port")
+    manager_port: int = key(9601, "the port of each job's TaskD manager, on the job's `MASTER_ADDR` "
+                            "(`MS_SCHED_HOST` for MindSpore)", between=(1, 65535))
+    dial_timeout_seconds: float = key(5.0, "per attempt to reach a job's manager; retried with backoff",
+                                      between=(0.1, 60))
+    hold_seconds: float = key(60.0, "how long a message waits for an unreachable manager before its sender gets an "
+                              "error", between=(0, 3600))
+    queue_limit: int = key(1024, "messages held per job while its manager is unreachable", between=(1, 1_000_000))
+    # Messages are held in their wire form, so the node default fits the chart's 512 MiB memory limit with room.
+    job_buffer_mb: int = key(32, "MiB of messages the proxy may hold for one job (to its manager or queued for its "
+                             "workers); more is refused with TaskNet's code 5001", between=(8, 65536),
+                             note="a TaskNet message may be 8 MiB")
+    node_buffer_mb: int = key(64, "MiB of messages the proxy may hold for the whole node", between=(8, 65536),
+                              floor="job_buffer_mb")
+
+
+def _interval(default: float, what: str) -> typing.Any:
+    return key(default, f"seconds between two {what}", between=(1, 86400), off=0, note="0 turns the group off")
 
 
 @dataclass
 class TelemetryIntervals:
     """Seconds between two collections of each of npu-exporter's groups (its defaults); 0 turns a group off."""
-    utilization: float = 1.0
-    npu: float = 5.0
-    hbm: float = 60.0
-    hccs: float = 60.0
-    pcie: float = 60.0
-    sio: float = 60.0
-    network: float = 60.0
-    roce: float = 60.0
-    optical: float = 60.0
+    utilization: float = _interval(1.0, "reads of AI core, vector, cube and overall utilization")
+    npu: float = _interval(5.0, "reads of temperature, power, voltage, AI core frequency, network health and NPU "
+                           "processes")
+    hbm: float = _interval(60.0, "reads of HBM memory, temperature, bandwidth and ECC counters")
+    hccs: float = _interval(60.0, "reads of the HCCS link counters and bandwidths (the bandwidth call samples for "
+                            "200 ms)")
+    pcie: float = _interval(60.0, "reads of the PCIe bandwidths, A2 chips only (samples for 200 ms)")
+    sio: float = _interval(60.0, "reads of the SIO CRC error counters between the dies, A3 chips only")
+    network: float = _interval(60.0, "runs of hccn_tool for link status, bandwidth, speed and link-up count")
+    roce: float = _interval(60.0, "runs of hccn_tool -stat (MAC and RoCE counters)")
+    optical: float = _interval(60.0, "runs of hccn_tool -optical (module presence, power, voltage, temperature)")
 
 
 @dataclass
 class TelemetryConfig:
-    # npu-exporter's telemetry families (utilization, HBM, temperature, power, ECC, links): on to replace
-    # npu-exporter on the node, off beside it (one driver session and one copy of each series).
-    enabled: bool = False
-    hccn_tool: str = "/usr/local/Ascend/driver/tools/hccn_tool"  # network, RoCE and optical groups; "" = skip them
-    intervals: TelemetryIntervals = field(default_factory=TelemetryIntervals)
+    enabled: bool = key(False, "npu-exporter's telemetry families (utilization, HBM, temperature, power, ECC, HCCS, "
+                        "PCIe, SIO, network, RoCE, optical) under its names: on to replace npu-exporter on the node, "
+                        "off beside it (one driver session and one copy of each series)")
+    hccn_tool: str = key("/usr/local/Ascend/driver/tools/hccn_tool", "the driver's hccn_tool, for the network, RoCE "
+                         "and optical groups; empty leaves those groups out")
+    intervals: TelemetryIntervals = section(TelemetryIntervals)
 
 
 @dataclass
 class Config:
-    node_name: str = ""
-    state_dir: str = "/var/lib/npu-node-agent"
-    fault_log: FaultLogConfig = field(default_factory=FaultLogConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    http: HttpConfig = field(default_factory=HttpConfig)
-    grpc: GrpcConfig = field(default_factory=GrpcConfig)
-    devices: DevicesConfig = field(default_factory=DevicesConfig)
-    faults: FaultsConfig = field(default_factory=FaultsConfig)
-    clusterd: ClusterdConfig = field(default_factory=ClusterdConfig)
-    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
-    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
-    datatrace: DatatraceConfig = field(default_factory=DatatraceConfig)
-    taskd_proxy: TaskdProxyConfig = field(default_factory=TaskdProxyConfig)
-    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    node_name: str = key("", "this node's name as Kubernetes and ClusterD know it; empty: `NODE_NAME`, else the "
+                         "host name in lower case", check=_node_name,
+                         accepts="lower-case letters, digits, `-` and `.`, starting and ending with a letter or "
+                         "digit, at most 253 characters")
+    state_dir: str = key("/var/lib/npu-node-agent", "directory of what survives a restart: the fault log and the "
+                         "sinks' cursors (`faultlog/`), the escalation history, the step metrics' state and the "
+                         "profiling tailer's offsets", shape="absolute_path")
+    fault_log: FaultLogConfig = section(FaultLogConfig)
+    log: LogConfig = section(LogConfig)
+    http: HttpConfig = section(HttpConfig)
+    grpc: GrpcConfig = section(GrpcConfig)
+    devices: DevicesConfig = section(DevicesConfig)
+    faults: FaultsConfig = section(FaultsConfig)
+    clusterd: ClusterdConfig = section(ClusterdConfig)
+    kubernetes: KubernetesConfig = section(KubernetesConfig)
+    profiling: ProfilingConfig = section(ProfilingConfig)
+    datatrace: DatatraceConfig = section(DatatraceConfig)
+    taskd_proxy: TaskdProxyConfig = section(TaskdProxyConfig)
+    telemetry: TelemetryConfig = section(TelemetryConfig)
 
 
 def load_config(path: str | None, environ: typing.Mapping[str, str] | None = None) -> Config:
@@ -362,78 +482,64 @@ def split_host_port(text: str) -> tuple[str, int]:
 
 
 def validate(config: Config) -> list[str]:
+    """Every problem of `config` against its keys' declarations, one line each."""
+    return declared_problems(config, config)
+
+
+def declared_problems(settings: object, root: object, prefix: str = "") -> list[str]:
+    """The problems of each key of the dataclass `settings` (within `root`, where `needs` is looked up)."""
     problems: list[str] = []
-
-    def check(ok: bool, path: str, reason: str) -> None:
-        if not ok:
-            problems.append(f"{path}: {reason}")
-
-    def check_listen(path: str, text: str) -> None:
-        try:
-            split_host_port(text)
-        except ValueError as exc:
-            problems.append(f"{path}: {exc}")
-
-    check(config.log.level in ("debug", "info", "warning", "error"), "log.level",
-          f"{quote(config.log.level)} is not one of debug, info, warning, error")
-    check(config.log.format in ("json", "text"), "log.format", f"{quote(config.log.format)} is not json or text")
-    check(bool(NODE_NAME.fullmatch(config.node_name)), "node_name",
-          f"{quote(config.node_name)} is not a node name ClusterD and Kubernetes accept (lower-case letters, "
-          "digits, '-' and '.', starting and ending with a letter or digit, at most 253 characters); "
-          "set node_name or NODE_NAME")
-    check(bool(config.state_dir), "state_dir", "must not be empty")
-    retire = config.fault_log.retire_unconfigured_cursors_after_seconds
-    check(0 <= retire <= 2_592_000, "fault_log.retire_unconfigured_cursors_after_seconds",
-          f"{retire} is out of range 0..2592000 (30 days)")
-    check_listen("http.listen", config.http.listen)
-    check_listen("grpc.listen", config.grpc.listen)
-    check_listen("clusterd.address", config.clusterd.address)
-    check_listen("taskd_proxy.listen", config.taskd_proxy.listen)
-    devices = config.devices
-    check(devices.backend in ("dcmi", "simulated"), "devices.backend", f"{quote(devices.backend)} is not dcmi or simulated")
-    check(0.2 <= devices.poll_interval_seconds <= 3600, "devices.poll_interval_seconds",
-          f"{devices.poll_interval_seconds} is out of range 0.2..3600")
-    check(0.05 <= devices.call_timeout_seconds <= 60, "devices.call_timeout_seconds",
-          f"{devices.call_timeout_seconds} is out of range 0.05..60")
-    check(1 <= devices.simulated.devices <= 64, "devices.simulated.devices",
-          f"{devices.simulated.devices} is out of range 1..64")
-    if config.faults.unknown_code_level:
-        try:
-            Level.parse(config.faults.unknown_code_level)
-        except ValueError as exc:
-            problems.append(f"faults.unknown_code_level: {exc}")
-    for level, code in config.clusterd.public_codes.items():
-        check(level in Level.__members__ and level != "NormalNPU", f"clusterd.public_codes.{level}",
-              "is not a fault level")
-        check(bool(re.fullmatch(r"\d{9}", code)), f"clusterd.public_codes.{level}",
-              f"{quote(code)} is not a 9-digit public fault code")
-    check(30 <= config.clusterd.reconcile_interval_seconds <= 86400, "clusterd.reconcile_interval_seconds",
-          f"{config.clusterd.reconcile_interval_seconds} is out of range 30..86400")
-    check(0 <= config.profiling.disk_limit_mb, "profiling.disk_limit_mb",
-          "must not be negative (0 measures the tree without aging it)")
-    proxy = config.taskd_proxy
-    check(1 <= proxy.manager_port <= 65535, "taskd_proxy.manager_port", "is not a port number")
-    check(0.1 <= proxy.dial_timeout_seconds <= 60, "taskd_proxy.dial_timeout_seconds",
-          f"{proxy.dial_timeout_seconds} is out of range 0.1..60")
-    check(0 <= proxy.hold_seconds <= 3600, "taskd_proxy.hold_seconds", f"{proxy.hold_seconds} is out of range 0..3600")
-    check(1 <= proxy.queue_limit <= 1_000_000, "taskd_proxy.queue_limit",
-          f"{proxy.queue_limit} is out of range 1..1000000")
-    check(8 <= proxy.job_buffer_mb <= 65536, "taskd_proxy.job_buffer_mb",
-          f"{proxy.job_buffer_mb} is out of range 8..65536 (a TaskNet message may be 8 MiB)")
-    check(proxy.job_buffer_mb <= proxy.node_buffer_mb <= 65536, "taskd_proxy.node_buffer_mb",
-          f"{proxy.node_buffer_mb} is out of range {proxy.job_buffer_mb} (job_buffer_mb)..65536")
-    check(not config.datatrace.enabled or config.kubernetes.enabled, "datatrace.enabled",
-          "needs kubernetes.enabled")
-    check(1 <= config.kubernetes.watch_timeout_seconds <= 3600, "kubernetes.watch_timeout_seconds",
-          f"{config.kubernetes.watch_timeout_seconds} is out of range 1..3600")
-    check(0.5 <= config.kubernetes.pod_resources_refresh_seconds <= 3600, "kubernetes.pod_resources_refresh_seconds",
-          f"{config.kubernetes.pod_resources_refresh_seconds} is out of range 0.5..3600")
-    check(not config.kubernetes.device_info_configmap or config.kubernetes.enabled,
-          "kubernetes.device_info_configmap", "needs kubernetes.enabled")
-    for group, seconds in dataclasses.asdict(config.telemetry.intervals).items():
-        check(seconds == 0 or 1 <= seconds <= 86400, f"telemetry.intervals.{group}",
-              f"{seconds} is out of range 1..86400 (0 turns the group off)")
+    for item in dataclasses.fields(settings):
+        value, path = getattr(settings, item.name), f"{prefix}{item.name}"
+        if dataclasses.is_dataclass(value):
+            problems += declared_problems(value, root, f"{path}.")
+        elif declared := item.metadata.get("key"):
+            problems += [f"{where}: {reason}" for where, reason in _problems(declared, value, path, settings, root)]
     return problems
+
+
+def _problems(declared: Key, value, path: str, settings: object, root: object) -> list[tuple[str, str]]:
+    if declared.check:
+        try:
+            declared.check(value)
+        except ValueError as exc:
+            return [(path, str(exc))]
+    elif declared.choices and value not in declared.choices:
+        shown = [str(choice) for choice in declared.choices]
+        alternatives = " or ".join(shown) if len(shown) == 2 else f"one of {', '.join(shown)}"
+        return [(path, f"{quote(value)} is not {alternatives}")]
+    if declared.shape == "host_port":
+        try:
+            split_host_port(value)
+        except ValueError as exc:
+            return [(path, str(exc))]
+    elif declared.shape == "not_empty" and not value:
+        return [(path, "must not be empty")]
+    elif declared.shape.startswith("absolute_path") and not value.startswith("/"):
+        if value or declared.shape == "absolute_path":
+            return [(path, f"{quote(value)} is not an absolute path")]
+    if declared.needs and value and not _lookup(root, declared.needs):
+        return [(path, f"needs {declared.needs}")]
+    if declared.mapping:
+        names, pattern, name = declared.mapping
+        return [(f"{path}.{k}", f"is not one of {', '.join(names)}") for k in value if k not in names] + [
+            (f"{path}.{k}", f"{quote(v)} is not {name}") for k, v in value.items() if not re.fullmatch(pattern, v)]
+    if declared.between and value != declared.off:
+        low, high = declared.between
+        floor = getattr(settings, declared.floor) if declared.floor else low
+        if value < floor or (high is not None and value > high):
+            note = f" ({declared.note})" if declared.note else ""
+            if high is None and floor == 0:
+                return [(path, f"must not be negative{note}")]
+            shown = f"{floor} ({declared.floor})" if declared.floor else _number(low)
+            return [(path, f"{value} is out of range {shown}..{_number(high) if high is not None else ''}{note}")]
+    return []
+
+
+def _lookup(root: object, path: str):
+    for name in path.split("."):
+        root = getattr(root, name)
+    return root
 
 
 def to_dict(config: Config) -> dict:

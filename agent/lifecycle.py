@@ -12,7 +12,11 @@ import logging
 import random
 import time
 from collections import Counter
-from typing import Awaitable, Callable, Protocol
+from typing import Awaitable, Callable, Iterable, Protocol
+
+from prometheus_client.core import Metric
+
+from agent.common.families import counter, described, gauge
 
 log = logging.getLogger(__name__)
 
@@ -180,3 +184,23 @@ class Readiness:
     def check(self) -> tuple[bool, list[str]]:
         reasons = [f"{name}: {why}" for name, ok, why in self.states() if not ok]
         return not reasons, reasons
+
+
+TASK_RESTARTS = counter("npu_agent_task_restarts_total",
+                        "Background tasks restarted after an unexpected error, by component/task", "task")
+READY = gauge("npu_agent_component_ready", "1 when the component is ready", "component")
+
+
+class LifecycleCollector:
+    """Restarted tasks (every component's) and each component's readiness, at scrape time."""
+
+    def __init__(self, node: str, readiness: Readiness):
+        self._node = node
+        self._readiness = readiness
+
+    def describe(self) -> list[Metric]:
+        return described((TASK_RESTARTS, READY))
+
+    def collect(self) -> Iterable[Metric]:
+        yield TASK_RESTARTS.counts(self._node, restarts)
+        yield READY.series(self._node, ((name, 1 if ok else 0) for name, ok in self._readiness.ready_by_component()))

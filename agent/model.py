@@ -1,14 +1,14 @@
 """Plain types shared across the agent's subsystems (a leaf: it imports nothing of the agent).
 
 Driver observations (DeviceInfo, Reading, DriverEvent), a device's public fault state (Level,
-Health, ActiveCode, DeviceState), its revisioned changes (Change, Snapshot) and who holds an NPU
-(PodRef, PodsOf)."""
+Health, ActiveCode, DeviceState), its revisioned changes (Change, Snapshot), who holds an NPU
+(PodRef, PodsOf), and what a fault sink offers the rest of the agent (Sink)."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping, Protocol, runtime_checkable
 
 
 class Level(enum.IntEnum):
@@ -139,6 +139,55 @@ PodsOf = Callable[[int], tuple[PodRef, ...]]  # physical id -> the containers ho
 def no_pods(phy_id: int) -> tuple[PodRef, ...]:
     """The lookup when attribution is off."""
     return ()
+
+
+class StateWrite(Protocol):
+    """State a component keeps on disk whose writes may fail for a while (agent.common.fsutil.WriteRetry)."""
+
+    what: str  # names it: the `file` label of npu_agent_state_write_failures_total
+    failures: int  # failed attempts so far, for that family
+
+    @property
+    def problem(self) -> str:
+        """Why it is failing now ("" while it is written), for /readyz."""
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """A peer the durable fault log's changes are delivered to (ClusterD, the device-info ConfigMap),
+    as the composition root, the fault service, the supervisor and the metrics see it. A sink with
+    families of its own (ClusterD's) has a collector of its own beside it."""
+
+    name: str  # its `sink` label in the metrics, and its cursor's name in the fault log if it keeps one
+
+    @property
+    def counters(self) -> Mapping[str, int]:
+        """Requests (or writes) by result: npu_agent_fault_reports_total."""
+
+    @property
+    def pending(self) -> int:
+        """Changes logged and not yet acknowledged by its peer (0: it writes the latest state, no
+        backlog): npu_agent_outbox_pending, how far delivery lags."""
+
+    @property
+    def last_success(self) -> float:
+        """When its peer last acknowledged a request (0: never), so that a silent peer shows."""
+
+    @property
+    def writes(self) -> tuple[StateWrite, ...]:
+        """The state it keeps on disk, whose failed writes are counted and shown on /readyz."""
+
+    def notify(self, changes: list[Change]) -> None:
+        """The fault log has new changes: the fault service calls it on the loop after each durable append."""
+
+    async def start(self) -> None:
+        """Supervised like every component (agent.lifecycle): started before the sources that feed it."""
+
+    async def stop(self) -> None:
+        """Ends its tasks (a request in flight may finish first)."""
+
+    def readiness(self) -> tuple[bool, str]:
+        """Whether the sink itself works, and why not, for /readyz (a peer that is away shows in `pending`)."""
 
 
 # The earliest fault time a peer accepts (ClusterD refuses times before 2025-01-01): older driver

@@ -21,6 +21,7 @@ import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from inotify_simple import INotify, flags
 
@@ -35,6 +36,7 @@ LOOK_TIMEOUT_S = 10.0
 # cope with that as they do with a missing root).
 MASK = flags.CREATE | flags.MOVED_TO | flags.DELETE_SELF | flags.MOVE_SELF | flags.ONLYDIR | flags.DONT_FOLLOW
 EMPTY, MISSING, IN_USE = "empty", "missing", "in use"
+T = TypeVar("T")
 
 
 def look(root: str) -> str:
@@ -98,8 +100,9 @@ class OnDemand:
         self._look_timeout_s = look_timeout_s
         self._started: list[Component] = []
 
-    def part(self, name: str) -> Component | None:
-        return next((part for part in self.parts if part.name == name), None)
+    def part(self, kind: type[T]) -> T | None:
+        """The built part of class `kind`; None before they are built and after they stop."""
+        return next((part for part in self.parts if isinstance(part, kind)), None)
 
     async def start(self) -> None:
         if await self._look() != IN_USE:

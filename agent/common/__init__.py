@@ -1,1 +1,1 @@
-"""Small pieces every subsystem may use: errors told briefly, file helpers, logging, rate limits, Go-compatible JSON, gRPC ports, the daemon thread pool. Imports nothing else of the agent but `model`."""
+"""Small pieces every subsystem may use: errors told briefly, file helpers, logging, rate limits, Go-compatible JSON, gRPC ports, the daemon thread pool, metric families declared once (and the pool's and the state files' collectors). Imports nothing else of the agent but `model`."""

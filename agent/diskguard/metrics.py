@@ -5,7 +5,25 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
+
+from agent.common.families import counter, described, gauge
+
+USAGE = gauge("npu_agent_profiling_disk_usage_bytes",
+              "Bytes of regular files under profiling.root (the disk guard's ledger)")
+LIMIT = gauge("npu_agent_profiling_disk_limit_bytes", "profiling.disk_limit_mb in bytes")
+FILES_AGED = counter("npu_agent_profiling_files_aged_total",
+                     "Record files deleted by the disk guard to get under the limit")
+BYTES_AGED = counter("npu_agent_profiling_bytes_aged_total", "Bytes freed by the disk guard")
+SCANS = counter("npu_agent_profiling_scans_total",
+                "Full scans of the profiling tree (start-up, root appearing, inotify overflow)")
+OVERFLOWS = counter("npu_agent_profiling_inotify_overflows_total", "inotify queue overflows (each one costs a full scan)")
+UNWATCHED = gauge("npu_agent_profiling_unwatched_directories",
+                  "Directories of profiling.root whose inotify watch could not be added (fs.inotify.max_user_watches): "
+                  "walked again every 30 s at most instead")
+ERRORS = counter("npu_agent_profiling_errors_total",
+                 "Unreadable directories or files, refused rank directories and failed deletions met by the disk guard")
+FAMILIES = (USAGE, LIMIT, FILES_AGED, BYTES_AGED, SCANS, OVERFLOWS, UNWATCHED, ERRORS)
 
 
 class DiskGuardCollector:
@@ -17,32 +35,18 @@ class DiskGuardCollector:
         self._limit_bytes = limit_bytes
 
     def describe(self) -> list[Metric]:
-        return []
+        return described(FAMILIES)
 
     def collect(self) -> Iterable[Metric]:
         node, guard = self._node, self._guard() or _NotBuilt(self._limit_bytes)
-        for name, kind, help_text, value in (
-            ("npu_agent_profiling_disk_usage_bytes", GaugeMetricFamily,
-             "Bytes of regular files under profiling.root (the disk guard's ledger)", guard.usage_bytes),
-            ("npu_agent_profiling_disk_limit_bytes", GaugeMetricFamily,
-             "profiling.disk_limit_mb in bytes", guard.limit_bytes),
-            ("npu_agent_profiling_files_aged_total", CounterMetricFamily,
-             "Record files deleted by the disk guard to get under the limit", guard.files_aged),
-            ("npu_agent_profiling_bytes_aged_total", CounterMetricFamily,
-             "Bytes freed by the disk guard", guard.bytes_aged),
-            ("npu_agent_profiling_scans_total", CounterMetricFamily,
-             "Full scans of the profiling tree (start-up, root appearing, inotify overflow)", guard.scans),
-            ("npu_agent_profiling_inotify_overflows_total", CounterMetricFamily,
-             "inotify queue overflows (each one costs a full scan)", guard.overflows),
-            ("npu_agent_profiling_unwatched_directories", GaugeMetricFamily,
-             "Directories of profiling.root whose inotify watch could not be added (fs.inotify.max_user_watches): "
-             "walked again every 30 s at most instead", guard.unwatched),
-            ("npu_agent_profiling_errors_total", CounterMetricFamily,
-             "Unreadable directories or files, refused rank directories and failed deletions met by the disk guard", guard.errors),
-        ):
-            family = kind(name, help_text, labels=["node"])
-            family.add_metric([node], value)
-            yield family
+        yield USAGE.one(node, guard.usage_bytes)
+        yield LIMIT.one(node, guard.limit_bytes)
+        yield FILES_AGED.one(node, guard.files_aged)
+        yield BYTES_AGED.one(node, guard.bytes_aged)
+        yield SCANS.one(node, guard.scans)
+        yield OVERFLOWS.one(node, guard.overflows)
+        yield UNWATCHED.one(node, guard.unwatched)
+        yield ERRORS.one(node, guard.errors)
 
 
 class _NotBuilt:

@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from agent.config import FaultsConfig
 from agent.model import (MIN_TIME_MS, Assertion, Change, DeviceInfo, DeviceState, DriverEvent, Level,
@@ -120,6 +120,17 @@ class FaultService:
                     *(w.problem for w in self.writes), self._log.stalled]
         problems = [p for p in problems if p]
         return not problems, "; ".join(problems)
+
+    # ---- what the metrics read (agent.faults.metrics), so they need not know the engine ------
+
+    def states(self) -> list[DeviceState]:
+        """Every device's fault state as the engine holds it now (logged or not yet)."""
+        return self.engine.states()
+
+    @property
+    def event_counts(self) -> Mapping[str, int]:
+        """Fault events applied, by assertion (occur / recover / once)."""
+        return self.engine.event_counts
 
     # ---- FaultObserver ------------------------------------------------------------------------
 

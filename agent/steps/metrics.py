@@ -6,10 +6,60 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import Metric
 
+from agent.common.families import counter, described, gauge, histogram
 from agent.steps.records import RankKey
 from agent.steps.reasons import COMPUTE, IO, PARSE_ERRORS, SLOW
+
+JOB = ("namespace", "job_name", "job_id")  # after `node`
+JOB_RANK = (*JOB, "rank")  # no pp_stage: known only once read
+RANK = (*JOB_RANK, "pp_stage")
+WORKER = (*JOB, "pp_stage", "worker")
+
+DURATION = histogram("training_step_duration_seconds", "Duration of each completed training step", *RANK, "clock")
+PHASES = histogram("training_phase_duration_seconds",
+                   "Per step: summed forward, dataloader and save_checkpoint ranges", *RANK, "phase")
+LAST = gauge("training_step_last_duration_seconds", "Duration of the latest step", *RANK)
+COMPLETED = gauge("training_step_last_completed_timestamp_seconds",
+                  "Wall time the latest step ended (a hung rank shows as its age)", *RANK)
+TOTAL = counter("training_steps_completed", "Steps seen", *RANK)
+BASELINE = gauge("training_step_baseline_seconds",
+                 "Robust step-time baseline of the rank (median of its first 50 eligible steps)", *RANK)
+RATIO = gauge("training_rank_slowdown_ratio", "Median of the last 5 eligible steps over the baseline", *RANK)
+RANK_COMPUTE = gauge("training_rank_compute_seconds", "Median forward time of the last 5 eligible steps", *RANK)
+RANK_SLOW = gauge("training_rank_slow", "1 while the detector holds the rank slow, by reason", *RANK, "reason")
+DETECTIONS = counter("training_slow_detections", "Times the rank was found slow, by reason", *RANK, "reason")
+RECORDS = counter("training_profiling_records", "Profiling records read", *JOB_RANK)
+LAG = gauge("training_profiling_lag_seconds",
+            "How old the oldest record of the agent's last read was (TaskD writes every 5 s)", *JOB_RANK)
+ACTIVE = gauge("training_rank_active",
+               "1 while the rank is training: in a step that is not hung, or within 30 s of the end of one, and not "
+               "saving a checkpoint; 0 when finished, paused, saving or hung", *RANK)
+OPEN_STEP = gauge("training_step_open_since_timestamp_seconds",
+                  "Wall time the rank's step in progress began (absent between steps)", *RANK)
+OPEN_CHECKPOINT = gauge("training_checkpoint_open_since_timestamp_seconds",
+                        "Wall time the rank's save_checkpoint in progress began", *RANK)
+RANK_INFO = gauge("training_rank_info", "1 per rank; pod_name is the rank's pod when its job has one pod on this "
+                  "node, else empty (the records do not name the pod)", *JOB_RANK, "pod_name")
+NODE_SLOW = gauge("training_node_slow", "1 while this node is slow for the job, by reason", *JOB, "reason")
+WORKER_INFO = gauge("training_worker_info", "1 per worker (tensor-parallel group) of a job: its ranks on this node "
+                    "and the pod holding them (empty when the job has several pods here)", *WORKER, "ranks", "pod_name")
+WORKER_COMPUTE = gauge("training_worker_compute_seconds", "Median compute (summed forward) per step over the "
+                       "worker's last `window` eligible steps, while it trains", *WORKER, "window")
+WORKER_STDERR = gauge("training_worker_compute_stderr_seconds", "Standard error of training_worker_compute_seconds, "
+                      "from the worker's robust per-step spread", *WORKER, "window")
+WORKER_SLOW = gauge("training_worker_slow", "1 while the worker is slow as judged on this node, by reason: compute "
+                    "(against its stage peers here), io (its dataloader dominates its steps)", *WORKER, "reason")
+# Per node only: some reasons have no job (a directory not named like a job or rank, the node-wide
+# limit), and the log line of each skip names its job and rank.
+PARSE_ERRORS_FAMILY = counter("training_profiling_parse_errors", "Bad profiling input skipped on the node, by reason "
+                              "(the log names the job and rank)", "reason")
+# In the order of a scrape.
+JOB_FAMILIES = (RANK_INFO, DURATION, PHASES, LAST, COMPLETED, TOTAL, BASELINE, RATIO, RANK_COMPUTE, RANK_SLOW,
+                DETECTIONS, ACTIVE, OPEN_STEP, OPEN_CHECKPOINT, NODE_SLOW)
+WORKER_FAMILIES = (WORKER_INFO, WORKER_COMPUTE, WORKER_STDERR, WORKER_SLOW)
+FAMILIES = (*JOB_FAMILIES, *WORKER_FAMILIES, RECORDS, LAG, PARSE_ERRORS_FAMILY)
 
 
 class StepCollector:
@@ -24,49 +74,13 @@ class StepCollector:
         self._histograms = histograms  # False: the two histogram families stay empty (what most of a scrape costs)
 
     def describe(self) -> list[Metric]:
-        return []
+        return described(FAMILIES)
 
     def collect(self) -> Iterable[Metric]:
         node, steps, now = self._node, self._steps(), self._clock()
-        rank_labels = ["node", "namespace", "job_name", "job_id", "rank", "pp_stage"]
-        duration = HistogramMetricFamily("training_step_duration_seconds", "Duration of each completed training step",
-                                         labels=[*rank_labels, "clock"])
-        phases = HistogramMetricFamily("training_phase_duration_seconds",
-                                       "Per step: summed forward, dataloader and save_checkpoint ranges",
-                                       labels=[*rank_labels, "phase"])
-        last = GaugeMetricFamily("training_step_last_duration_seconds", "Duration of the latest step", labels=rank_labels)
-        completed = GaugeMetricFamily("training_step_last_completed_timestamp_seconds",
-                                      "Wall time the latest step ended (a hung rank shows as its age)", labels=rank_labels)
-        total = CounterMetricFamily("training_steps_completed", "Steps seen", labels=rank_labels)
-        baseline = GaugeMetricFamily("training_step_baseline_seconds",
-                                     "Robust step-time baseline of the rank (median of its first 50 eligible steps)",
-                                     labels=rank_labels)
-        ratio = GaugeMetricFamily("training_rank_slowdown_ratio",
-                                  "Median of the last 5 eligible steps over the baseline", labels=rank_labels)
-        compute = GaugeMetricFamily("training_rank_compute_seconds",
-                                    "Median forward time of the last 5 eligible steps", labels=rank_labels)
-        slow = GaugeMetricFamily("training_rank_slow", "1 while the detector holds the rank slow, by reason",
-                                 labels=[*rank_labels, "reason"])
-        detections = CounterMetricFamily("training_slow_detections", "Times the rank was found slow, by reason",
-                                         labels=[*rank_labels, "reason"])
-        job_rank_labels = ["node", "namespace", "job_name", "job_id", "rank"]  # no pp_stage: known only once read
-        records = CounterMetricFamily("training_profiling_records", "Profiling records read", labels=job_rank_labels)
-        lag = GaugeMetricFamily("training_profiling_lag_seconds",
-                                "How old the oldest record of the agent's last read was (TaskD writes every 5 s)",
-                                labels=job_rank_labels)
-        active = GaugeMetricFamily("training_rank_active",
-                                   "1 while the rank is training: in a step that is not hung, or within 30 s of the "
-                                   "end of one, and not saving a checkpoint; 0 when finished, paused, saving or hung",
-                                   labels=rank_labels)
-        open_step = GaugeMetricFamily("training_step_open_since_timestamp_seconds",
-                                      "Wall time the rank's step in progress began (absent between steps)",
-                                      labels=rank_labels)
-        open_checkpoint = GaugeMetricFamily("training_checkpoint_open_since_timestamp_seconds",
-                                            "Wall time the rank's save_checkpoint in progress began", labels=rank_labels)
-        info = GaugeMetricFamily("training_rank_info",
-                                 "1 per rank; pod_name is the rank's pod when its job has one pod on this node, "
-                                 "else empty (the records do not name the pod)",
-                                 labels=[*job_rank_labels, "pod_name"])
+        (info, duration, phases, last, completed, total, baseline, ratio, compute, slow, detections, active, open_step,
+         open_checkpoint, node_slow) = (family.empty() for family in JOB_FAMILIES)
+        records, lag = RECORDS.empty(), LAG.empty()
         jobs: dict[str, tuple[str, str, str]] = {}  # job_id -> its namespace, name and id as label values
         pods: dict[str, str] = {}  # job_id -> pod_name
         active_ranks: set = set()
@@ -81,10 +95,10 @@ class StepCollector:
             is_active = steps.active(key, now)
             if is_active:
                 active_ranks.add(key)
-            for clock, histogram in sorted(series.steps.items()) if self._histograms else ():
-                duration.add_metric([*labels, clock], histogram.buckets(), histogram.total)
-            for phase, histogram in sorted(series.phases.items()) if self._histograms else ():
-                phases.add_metric([*labels, phase], histogram.buckets(), histogram.total)
+            for clock, hist in sorted(series.steps.items()) if self._histograms else ():
+                duration.add_metric([*labels, clock], hist.buckets(), hist.total)
+            for phase, hist in sorted(series.phases.items()) if self._histograms else ():
+                phases.add_metric([*labels, phase], hist.buckets(), hist.total)
             if series.last_duration_s is not None:
                 last.add_metric(labels, series.last_duration_s)
                 completed.add_metric(labels, series.last_completed_s)
@@ -108,8 +122,6 @@ class StepCollector:
                 open_step.add_metric(labels, series.open_step_s)
             if series.open_checkpoint_s is not None:
                 open_checkpoint.add_metric(labels, series.open_checkpoint_s)
-        node_slow = GaugeMetricFamily("training_node_slow", "1 while this node is slow for the job, by reason",
-                                      labels=["node", "namespace", "job_name", "job_id", "reason"])
         worker_families = _WorkerFamilies()
         active_jobs = {key.job_id for key in active_ranks}
         for job, (namespace, job_name, job_id) in jobs.items():
@@ -127,11 +139,7 @@ class StepCollector:
                 worker_families.add(labels, worker, _ranges(worker.ranks), pods[job],
                                     any(k in active_ranks for k in keys),
                                     any(steps.detector.ranks[k].slow[IO] for k in keys if k in steps.detector.ranks))
-        # Per node only: some reasons have no job (a directory not named like a job or rank, the node-wide
-        # limit), and the log line of each skip names its job and rank.
-        errors = CounterMetricFamily("training_profiling_parse_errors",
-                                     "Bad profiling input skipped on the node, by reason (the log names the job and "
-                                     "rank)", labels=["node", "reason"])
+        errors = PARSE_ERRORS_FAMILY.empty()
         for reason, count in sorted(steps.parse_errors.items() if steps else dict.fromkeys(PARSE_ERRORS, 0).items()):
             errors.add_metric([node, reason], count)
         yield from (info, duration, phases, last, completed, total, baseline, ratio, compute, slow, detections,
@@ -143,19 +151,7 @@ class _WorkerFamilies:
     only while the worker trains (a finished or paused job adds no evidence); its info always."""
 
     def __init__(self) -> None:
-        labels = ["node", "namespace", "job_name", "job_id", "pp_stage", "worker"]
-        self.info = GaugeMetricFamily(
-            "training_worker_info", "1 per worker (tensor-parallel group) of a job: its ranks on this node and the "
-            "pod holding them (empty when the job has several pods here)", labels=[*labels, "ranks", "pod_name"])
-        self.compute = GaugeMetricFamily(
-            "training_worker_compute_seconds", "Median compute (summed forward) per step over the worker's last "
-            "`window` eligible steps, while it trains", labels=[*labels, "window"])
-        self.stderr = GaugeMetricFamily(
-            "training_worker_compute_stderr_seconds", "Standard error of training_worker_compute_seconds, from the "
-            "worker's robust per-step spread", labels=[*labels, "window"])
-        self.slow = GaugeMetricFamily(
-            "training_worker_slow", "1 while the worker is slow as judged on this node, by reason: compute (against "
-            "its stage peers here), io (its dataloader dominates its steps)", labels=[*labels, "reason"])
+        self.info, self.compute, self.stderr, self.slow = (family.empty() for family in WORKER_FAMILIES)
 
     def add(self, labels: list[str], worker, ranks: str, pod: str, active: bool, io: bool) -> None:
         self.info.add_metric([*labels, ranks, pod], 1)

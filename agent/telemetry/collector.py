@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 
+from agent.common.families import counter, described, gauge
 from agent.model import DeviceInfo, PodsOf
 from agent.telemetry.families import BY_NAME, FAMILIES
 from agent.telemetry.labels import POD_LABELS, pod_labels
@@ -21,6 +22,15 @@ CONTAINER_COPIES = (("container_npu_utilization", "npu_chip_info_utilization"),
                     ("container_npu_used_memory", "npu_chip_info_hbm_used_memory"))
 CONTAINER_SOURCES = {source for _, source in CONTAINER_COPIES} | {"npu_chip_info_process_info"}
 
+# The agent's own, about the sampler.
+READS = counter("npu_agent_telemetry_reads_total", "Telemetry reads (one chip, one part of a group) by result: ok, "
+                "timeout (no answer in time), refused (the previous read of that chip still stuck), error",
+                "group", "result")
+SPENT = counter("npu_agent_telemetry_collection_seconds_total", "Wall time spent collecting each telemetry group",
+                "group")
+UNSUPPORTED = gauge("npu_agent_telemetry_unsupported", "1 for each driver function or tool command a chip does not "
+                    "support (not called again)", "id", "function")
+
 
 class TelemetryCollector:
     def __init__(self, node: str, sampler: TelemetrySampler, devices: Callable[[], list[DeviceInfo]], pods: PodsOf):
@@ -30,7 +40,7 @@ class TelemetryCollector:
         self._pods = pods
 
     def describe(self) -> list[Metric]:
-        return [self._family(family.name) for family in FAMILIES] + list(self._own())
+        return [self._family(family.name) for family in FAMILIES] + described((READS, SPENT, UNSUPPORTED))
 
     def _family(self, name: str) -> GaugeMetricFamily:
         family = BY_NAME[name]
@@ -87,20 +97,12 @@ class TelemetryCollector:
 
     def _own(self) -> Iterable[Metric]:
         node, sampler = self._node, self._sampler
-        reads = CounterMetricFamily("npu_agent_telemetry_reads_total", "Telemetry reads (one chip, one part of a "
-                                    "group) by result: ok, timeout (no answer in time), refused (the previous read "
-                                    "of that chip still stuck), error", labels=["node", "group", "result"])
+        reads = READS.empty()
         for (group, result), count in sorted(sampler.results.items()):
             reads.add_metric([node, group, result], count)
         yield reads
-        spent = CounterMetricFamily("npu_agent_telemetry_collection_seconds_total",
-                                    "Wall time spent collecting each telemetry group", labels=["node", "group"])
-        for group in sampler.groups:
-            spent.add_metric([node, group], sampler.seconds[group])
-        yield spent
-        unsupported = GaugeMetricFamily("npu_agent_telemetry_unsupported",
-                                        "1 for each driver function or tool command a chip does not support (not "
-                                        "called again)", labels=["node", "id", "function"])
+        yield SPENT.series(node, ((group, sampler.seconds[group]) for group in sampler.groups))
+        unsupported = UNSUPPORTED.empty()
         for phy, function in sampler.unsupported():
             unsupported.add_metric([node, str(phy), function], 1)
         yield unsupported

@@ -37,6 +37,14 @@ class Part:
         return False, "still scanning"
 
 
+class Guard(Part):
+    pass
+
+
+class Tailer(Part):
+    pass
+
+
 class Builds:
     """The build callback: records each call's `fresh` and returns two parts."""
 
@@ -48,7 +56,7 @@ class Builds:
     def __call__(self, fresh: bool) -> list[Part]:
         self.calls.append(fresh)
         fail, self._fail_starts = self._fail_starts, 0
-        return [Part("guard", self.journal), Part("tailer", self.journal, fail_starts=fail)]
+        return [Guard("guard", self.journal), Tailer("tailer", self.journal, fail_starts=fail)]
 
 
 def on_demand(root, builds: Builds, **kwargs) -> OnDemand:
@@ -76,7 +84,7 @@ def test_a_root_in_use_at_start_builds_them_at_once_as_found(tmp_path):
         gate = on_demand(tmp_path, builds)
         await gate.start()
         assert builds.calls == [False] and builds.journal == ["start guard", "start tailer"]
-        assert [part.name for part in gate.parts] == ["guard", "tailer"] and gate.part("tailer") is gate.parts[1]
+        assert [part.name for part in gate.parts] == ["guard", "tailer"] and gate.part(Tailer) is gate.parts[1]
         await gate.stop()
         assert builds.journal[2:] == ["stop tailer", "stop guard"] and gate.parts == ()
 
@@ -91,7 +99,7 @@ def test_an_empty_root_builds_them_at_the_first_entry_and_readiness_reports_them
         readiness = Readiness([gate])
         await gate.start()
         await asyncio.sleep(0.2)  # time for a wrong build to happen; what is asserted is that none did
-        assert builds.calls == [] and gate.parts == () and gate.part("guard") is None
+        assert builds.calls == [] and gate.parts == () and gate.part(Guard) is None
         assert readiness.states() == [("profiling", True, "")]
         (tmp_path / "job-a").mkdir()
         await until(lambda: gate.parts, 10, "the parts built after the first entry")

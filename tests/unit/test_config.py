@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
+import json
 
-from agent.config import NODE_NAME, config_from_dict, load_config
+import jsonschema
+import pytest
+import yaml
+
+from agent.config import NODE_NAME, Config, config_from_dict, declared_problems, key, load_config, section
 from agent.common.errors import MAX_PROBLEMS, ConfigError
 from agent.sinks.clusterd import pubfault
+from tests.support import genconfig
 
 
 def test_defaults_follow_the_contract():
@@ -120,3 +126,31 @@ def test_yaml_errors_name_the_file_and_line(tmp_path):
 
 def test_a_disk_limit_of_zero_is_accepted_as_documented():
     assert config_from_dict({"profiling": {"disk_limit_mb": 0}}).profiling.disk_limit_mb == 0
+
+
+@dataclasses.dataclass
+class Extra:
+    burst: int = key(4, "requests sent at once", between=(1, 16))
+
+
+@dataclasses.dataclass
+class Extended(Config):
+    extra: Extra = section(Extra)
+
+
+def test_a_key_is_added_by_declaring_it_once():
+    """One `key()` line is the whole change: the agent validates the new key, and the docs' table,
+    the chart's values, their schema and the chart README's table all carry it (the generated files
+    are then rewritten by `python -m tests.support.gendocs`; tests/unit/test_docs.py fails until they are)."""
+    assert declared_problems(Extended(node_name="n", extra=Extra(burst=99)), None) == [
+        "extra.burst: 99 is out of range 1..16"]
+    assert "| `extra.burst` | integer | `4` | 1..16 | requests sent at once |" in genconfig.configuration_table(Extended)
+    assert "| `agent.extra.burst` | `4` | 1..16 | Requests sent at once. |" in genconfig.chart_table(Extended)
+    values = yaml.safe_load(genconfig.values_block(Extended))["agent"]
+    assert values["extra"] == {"burst": 4}
+    schema = genconfig.agent_schema(Extended)
+    assert schema["properties"]["extra"]["properties"]["burst"] == {"type": "integer", "minimum": 1, "maximum": 16}
+    definitions = json.loads(genconfig.SCHEMA.read_text())["definitions"]
+    jsonschema.validate(values, {**schema, "definitions": definitions})  # the defaults pass the schema
+    with pytest.raises(jsonschema.ValidationError, match="17 is greater than the maximum of 16"):
+        jsonschema.validate({**values, "extra": {"burst": 17}}, {**schema, "definitions": definitions})

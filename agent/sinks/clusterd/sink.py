@@ -71,6 +71,8 @@ CHANNEL_OPTIONS = [
 
 
 class ClusterdSink:
+    """An agent.model.Sink; its own families are agent.sinks.clusterd.metrics'."""
+
     name = SINK
 
     def __init__(self, config: ClusterdConfig, node: str, fault_log: FaultLog,
@@ -97,7 +99,8 @@ class ClusterdSink:
         self._first_run = True
         self._in_flight: asyncio.Future | None = None
         self._maybe_sent = 0  # changes up to here may have been sent by a previous run that died
-        self.writes = WriteRetry("ClusterD sink's cursor")
+        self._cursor_writes = WriteRetry("ClusterD sink's cursor")
+        self.writes = (self._cursor_writes,)  # (agent.model.Sink)
         self.counters: Counter[str] = Counter()  # requests by result
         self.reconciles: Counter[str] = Counter()  # re-assertions that sent something, by reason
         self.unsent = 0  # occurrences over before they could be sent (clusterd_batch.plan)
@@ -124,7 +127,7 @@ class ClusterdSink:
 
     def readiness(self) -> tuple[bool, str]:
         # Delivery lag (ClusterD down) shows in npu_agent_outbox_pending; this is about the agent itself.
-        return not self.writes.problem, self.writes.problem
+        return not self._cursor_writes.problem, self._cursor_writes.problem
 
     def notify(self, changes: list[Change]) -> None:
         """The fault log has new changes (called on the loop after each durable append)."""
@@ -259,10 +262,10 @@ class ClusterdSink:
         try:
             await self._log.commit_async(SINK, self._cursor, self._view.to_dict())
         except OSError as exc:
-            self._save_at = time.monotonic() + self.writes.failed(exc, revision=self._cursor)
+            self._save_at = time.monotonic() + self._cursor_writes.failed(exc, revision=self._cursor)
             return
         self._save_at = None
-        self.writes.succeeded()
+        self._cursor_writes.succeeded()
 
     def _next_reassertion(self) -> None:
         if self._follow_up:

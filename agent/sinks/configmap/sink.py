@@ -32,6 +32,8 @@ RETRY_S = (1.0, 2.0, 5.0, 10.0)
 
 
 class DeviceInfoConfigMapSink:
+    """An agent.model.Sink."""
+
     name = "configmap"
 
     def __init__(self, node: str, hub: FaultHub, chip_name: Callable[[], str], *, kube: Lane,
@@ -51,6 +53,7 @@ class DeviceInfoConfigMapSink:
         self.counters: Counter[str] = Counter()
         self.last_success = 0.0
         self.pending = 0  # this sink writes the latest state; it has no backlog
+        self.writes = ()  # it keeps nothing on disk (agent.model.Sink)
 
     @property
     def configmap_name(self) -> str:
