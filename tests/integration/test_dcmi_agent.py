@@ -129,8 +129,9 @@ def test_polling_alone_works_without_the_subscribe_symbol(start_agent):
 
 def test_missing_library_keeps_the_agent_up_and_not_ready(start_agent, tmp_path):
     agent, _ = start_agent(library=str(tmp_path / "nowhere" / "libdcmi.so"), wait_ready=False)
-    status, body = wait_until(lambda: (lambda r: r if r[0] == 503 and "devices" in r[1] else None)(agent.http("/readyz")),
-                              5, "readyz 503")
+    # Until the monitor's first attempt to open the library, the component is only "not started".
+    status, body = wait_until(lambda: (lambda r: r if r[0] == 503 and "devices" in r[1] and "not started" not in r[1]
+                                       else None)(agent.http("/readyz")), 10, "readyz 503 with the driver's reason")
     assert "no such file" in body
     assert agent.http("/healthz")[0] == 200
     assert agent.metric("npu_agent_component_ready", component="devices") == 0
