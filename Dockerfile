@@ -51,8 +51,9 @@ RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
 USER 65532:65532
 WORKDIR /var/lib/npu-node-agent
 EXPOSE 9410 9411
-# Docker only (Kubernetes uses the chart's probes); slim has no curl. Assumes the default http.listen.
+# Docker only (Kubernetes uses the chart's probes); slim has no curl. Assumes the default http.listen;
+# HTTPS when tls.cert_file is set (like the kubelet's probes, without verifying the certificate).
 HEALTHCHECK --interval=30s --timeout=5s --start-period=15s --retries=3 \
-  CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:9410/healthz', timeout=4).status != 200)"]
+  CMD ["python", "-c", "import ssl, sys, urllib.request as u\ntry: s = u.urlopen('http://127.0.0.1:9410/healthz', timeout=2).status\nexcept OSError: s = u.urlopen('https://127.0.0.1:9410/healthz', timeout=2, context=ssl._create_unverified_context()).status\nsys.exit(s != 200)"]
 ENTRYPOINT ["npu-node-agent"]
 CMD ["run", "--config", "/etc/npu-node-agent/config.yaml"]

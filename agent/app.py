@@ -17,6 +17,9 @@ driver or file system) it keeps apart so that its other calls go on:
   task retries with backoff, and /readyz says why);
 - kube: one per watch (a watch holds its thread for up to watch_timeout_seconds) + 2 for lists
   and the device-info ConfigMap;
+- kube-reviews: 2, 0 (the TokenReviews and SubjectAccessReviews of /metrics scrapers, with
+  http.token_auth: apart, so that reviews a hung API server holds never take the ConfigMap's turn,
+  and a review that waited its time-out for a turn is dropped unrun);
 - disk-guard, profiling-tailer: 1 each (walks and reads of the profiling tree, in order; neither
   waits behind the other or behind the driver);
 - taskd-peers: 2 (/proc walks identifying processes that connect);
@@ -167,7 +170,8 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     collectors = []
     executor = Executor()
     wants_jobs = kube.enabled and (config.profiling.metrics or config.taskd_proxy.enabled)
-    watches = int(wants_jobs or config.datatrace.enabled) + int(config.datatrace.enabled)  # pods, configmaps
+    configmap_watches = len(config.datatrace.namespaces) or 1 if config.datatrace.enabled else 0
+    watches = int(wants_jobs or config.datatrace.enabled) + configmap_watches  # pods, configmaps
     kube_lane = executor.lane("kube", watches + 2)
 
     # The fault pipeline: durable log -> hub (current state, stream fan-out) -> sinks.
@@ -207,7 +211,13 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     monitor = DeviceMonitor(backend, faults, calls=executor.lane("driver", *DRIVER_LANE),
                             poll_interval_s=config.devices.poll_interval_seconds,
                             call_timeout_s=config.devices.call_timeout_seconds, clock=clock)
-    servers = [GrpcServer(config.grpc.listen, hub, pods_of)]
+    tls = None
+    if config.tls.cert_file:
+        from agent.tls import TlsCollector, TlsFiles
+
+        tls = TlsFiles(config.tls, lane=executor.lane("tls", 1))  # ConfigError unless the files load
+        collectors.append(TlsCollector(node, tls))
+    servers = [GrpcServer(config.grpc.listen, hub, pods_of, credentials=tls.grpc_credentials if tls else None)]
 
     telemetry = None
     if config.telemetry.enabled:
@@ -277,7 +287,8 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
         from agent.kube.client import core_api
 
         datatrace = DatatraceSync(Path(config.datatrace.root), node, core_api, node_pods, kube=kube_lane,
-                                  files=executor.lane("datatrace"), watch_timeout_s=kube.watch_timeout_seconds)
+                                  files=executor.lane("datatrace"), watch_timeout_s=kube.watch_timeout_seconds,
+                                  namespaces=tuple(config.datatrace.namespaces))
         collectors.append(DatatraceCollector(node, datatrace))
         profiling.append(datatrace)
 
@@ -297,7 +308,7 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     # Start order: attribution first (the stream's first snapshot already names the pods); the
     # servers, so /readyz and the stream answer while the driver is still being opened; sinks before
     # the sources that feed them; the pod watch before the profiling parts that read it.
-    first = [attribution] if attribution else []
+    first = [*([tls] if tls else []), *([attribution] if attribution else [])]
     rest = [*servers, *sinks, faults, monitor, *([telemetry] if telemetry else []),
             *([node_pods] if node_pods and node_pods.subscribed else []), *profiling]
     readiness = Readiness([*first, *rest])  # the endpoint that answers /readyz is ready by answering
@@ -306,7 +317,18 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     collectors[:0] = [FaultCollector(node, monitor, faults, pods_of), FaultLogCollector(node, fault_log),
                       SinkCollector(node, hub, sinks), StateFileCollector(node, writes), DriverCollector(node, monitor),
                       LifecycleCollector(node, readiness), BuildInfoCollector(node), ExecutorCollector(node, executor)]
-    http = HttpEndpoint(config.http.listen, make_registry(*collectors), readiness.check, lane=executor.lane("metrics"))
+    auth = None
+    if config.http.token_auth:
+        from agent.kube.reviews import KubeReviewer
+        from agent.tokenauth import TokenAuth, TokenAuthCollector
+
+        auth = TokenAuth(KubeReviewer(), executor.lane("kube-reviews", 2),
+                         timeout_s=config.http.token_auth_timeout_seconds)
+        if not config.tls.cert_file:
+            log.warning("http.token_auth without tls.cert_file: scrapers send their tokens in plaintext")
+        collectors.append(TokenAuthCollector(node, auth))
+    http = HttpEndpoint(config.http.listen, make_registry(*collectors), readiness.check, lane=executor.lane("metrics"),
+                        tls=tls.server_context if tls else None, auth=auth)
     supervisor = Supervisor([*first, http, *rest])
     return App(config, executor, supervisor, readiness, hub, fault_log, faults, monitor, http, servers[0], pods_of,
                followers, telemetry)

@@ -55,6 +55,9 @@ def make_parser() -> argparse.ArgumentParser:
     faults.add_argument("--follow", action="store_true", help="keep printing changes")
     faults.add_argument("--json", action="store_true", help="one JSON object per faulty device per line")
     faults.add_argument("--timeout", type=seconds(zero_ok=False), default=5.0, help="seconds to wait for the agent (default 5)")
+    faults.add_argument("--ca-file", default="", help="TLS: the CA certificates of the agent's certificate (PEM)")
+    faults.add_argument("--cert-file", default="", help="TLS: this client's certificate, for an agent that asks (PEM)")
+    faults.add_argument("--key-file", default="", help="TLS: the private key of --cert-file (PEM)")
 
     commands.add_parser("version", help="version and build information")
     return parser
@@ -87,6 +90,7 @@ def cmd_version(args) -> int:
 def cmd_check_config(args) -> int:
     from agent.devices.scenario import load_scenario
     from agent.faults.service import load_tables
+    from agent.tls import TlsFiles as load_tls
 
     problems: list[str] = []
     try:
@@ -94,7 +98,7 @@ def cmd_check_config(args) -> int:
     except ConfigError as exc:
         problems = exc.problems
     else:
-        for check in (lambda: load_tables(config.faults),
+        for check in (lambda: load_tables(config.faults), lambda: config.tls.cert_file and load_tls(config.tls),
                       lambda: config.devices.simulated.scenario and config.devices.backend == "simulated"
                       and load_scenario(config.devices.simulated.scenario, config.devices.simulated.devices)):
             try:
@@ -126,6 +130,13 @@ def cmd_demo(args) -> int:
 
 
 def cmd_faults(args) -> int:
-    from agent.sinks.stream.client import print_faults
+    from agent.sinks.stream.client import channel_credentials, print_faults
 
-    return print_faults(args.target, follow=args.follow, as_json=args.json, timeout=args.timeout)
+    if bool(args.cert_file) != bool(args.key_file):
+        raise ConfigError(["faults: --cert-file and --key-file go together"])
+    try:
+        credentials = channel_credentials(args.ca_file, args.cert_file, args.key_file)
+    except OSError as exc:
+        raise ConfigError([f"faults: {exc.filename}: cannot read: {exc.strerror}"]) from None
+    return print_faults(args.target, follow=args.follow, as_json=args.json, timeout=args.timeout,
+                        credentials=credentials)

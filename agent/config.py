@@ -37,7 +37,7 @@ class Key:
     off: Number | None = None  # a value outside `between` that turns the feature off
     note: str = ""  # why the range is what it is, said with a range error
     choices: tuple = ()
-    shape: str = ""  # "host_port", "absolute_path", "absolute_path_or_empty" or "not_empty"
+    shape: str = ""  # "host_port", "absolute_path", "absolute_path_or_empty", "not_empty" or "namespaces"
     needs: str = ""  # a boolean key that must be true when this boolean one is
     floor: str = ""  # a key (of the same section) whose value is this one's minimum
     check: typing.Callable[[typing.Any], None] | None = None
@@ -52,7 +52,8 @@ class Key:
             return ", ".join(f"`{choice}`" if choice else '`""`' for choice in self.choices)
         if self.shape:
             return {"host_port": "`HOST:PORT`", "absolute_path": "absolute path",
-                    "absolute_path_or_empty": 'absolute path or `""`', "not_empty": "not empty"}[self.shape]
+                    "absolute_path_or_empty": 'absolute path or `""`', "not_empty": "not empty",
+                    "namespaces": "namespace names, each once"}[self.shape]
         if self.mapping:
             keys, _, name = self.mapping
             return f"`{keys[0]}` … `{keys[-1]}` → {name}"
@@ -69,8 +70,8 @@ def key(default, meaning: str, **accepts) -> typing.Any:
     if accepts.get("needs"):
         meaning = f"{meaning}; needs `{accepts['needs']}`"
     declared = {"key": Key(meaning, **accepts)}
-    if isinstance(default, dict):
-        return field(default_factory=lambda: dict(default), metadata=declared)
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=declared)
     return field(default=default, metadata=declared)
 
 
@@ -106,6 +107,25 @@ class LogConfig:
 @dataclass
 class HttpConfig:
     listen: str = key("0.0.0.0:9410", "where `/metrics`, `/healthz` and `/readyz` are served", shape="host_port")
+    token_auth: bool = key(False, "`/metrics` only for a bearer token the API server accepts (TokenReview) whose user "
+                           "may `get` the non-resource URL `/metrics` (SubjectAccessReview), as the kubelet checks "
+                           "its scrapers; `/healthz` and `/readyz` stay open. The agent's service account needs "
+                           "`create` on `tokenreviews` and `subjectaccessreviews`", needs="kubernetes.enabled")
+    token_auth_timeout_seconds: float = key(3.0, "how long each review may take; a scrape may wait for two (a "
+                                            "TokenReview, then a SubjectAccessReview), so both fit in "
+                                            "Prometheus's default 10 s scrape time-out", between=(0.5, 30))
+
+
+@dataclass
+class TlsConfig:
+    cert_file: str = key("", "PEM certificate (with its chain) that `/metrics` and the gRPC server present; empty: "
+                         "both serve plaintext (local use, the demo). Re-read when it changes, no restart",
+                         shape="absolute_path_or_empty", needs="tls.key_file")
+    key_file: str = key("", "the PEM private key of `cert_file`", shape="absolute_path_or_empty",
+                        needs="tls.cert_file")
+    client_ca_file: str = key("", "PEM CA certificates: a gRPC client must present a certificate one of them signed "
+                              "(mTLS); empty: none is asked for", shape="absolute_path_or_empty",
+                              needs="tls.cert_file")
 
 
 @dataclass
@@ -216,6 +236,9 @@ class DatatraceConfig:
                         needs="kubernetes.enabled")
     root: str = key("/user/cluster-info/datatrace-config", "the directory training containers read their "
                     "profiling switch from", shape="absolute_path")
+    namespaces: list[str] = key([], "the namespaces whose `data-trace-<job>` ConfigMaps are watched, one watch each "
+                                "(what per-namespace Roles allow); empty: every namespace, one cluster-wide watch",
+                                shape="namespaces")
 
 
 @dataclass
@@ -281,6 +304,7 @@ class Config:
     log: LogConfig = section(LogConfig)
     http: HttpConfig = section(HttpConfig)
     grpc: GrpcConfig = section(GrpcConfig)
+    tls: TlsConfig = section(TlsConfig)
     devices: DevicesConfig = section(DevicesConfig)
     faults: FaultsConfig = section(FaultsConfig)
     clusterd: ClusterdConfig = section(ClusterdConfig)
@@ -459,6 +483,10 @@ def _check_scalar(hint, value, path: str, problems: list[str]):
         if isinstance(value, str):
             return value
         problems.append(f"{path}: expected a string, got {quote(value)} (quote it)")
+    elif typing.get_origin(hint) is list:
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            return list(value)
+        problems.append(f"{path}: expected a list of strings")
     elif typing.get_origin(hint) is dict:
         if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
             return dict(value)
@@ -470,6 +498,7 @@ def _check_scalar(hint, value, path: str, problems: list[str]):
 
 # A node name as ClusterD (agent/sinks/clusterd/pubfault.py) and Kubernetes accept it: a DNS-1123 subdomain.
 NODE_NAME = re.compile(r"^[a-z0-9]([a-z0-9\-.]{0,251}[a-z0-9])?$")
+NAMESPACE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # a DNS-1123 label
 _DNS_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9\-.]{0,251}[A-Za-z0-9])?")
 _HOST_PORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[^:\s]+):(?P<port>\d{1,5})$")
 
@@ -515,6 +544,10 @@ def _problems(declared: Key, value, path: str, settings: object, root: object) -
             return [(path, str(exc))]
     elif declared.shape == "not_empty" and not value:
         return [(path, "must not be empty")]
+    elif declared.shape == "namespaces":
+        bad = [name for name in value if not NAMESPACE.fullmatch(name)]
+        if bad or len(set(value)) != len(value):
+            return [(path, f"{quote(bad[0])} is not a namespace name" if bad else "a namespace is listed twice")]
     elif declared.shape.startswith("absolute_path") and not value.startswith("/"):
         if value or declared.shape == "absolute_path":
             return [(path, f"{quote(value)} is not an absolute path")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -52,8 +53,10 @@ class LazyReflection(grpc.GenericRpcHandler):
 class GrpcServer:
     name = "grpc"
 
-    def __init__(self, listen: str, hub: FaultHub, pods: PodsOf = no_pods):
+    def __init__(self, listen: str, hub: FaultHub, pods: PodsOf = no_pods,
+                 credentials: Callable[[], grpc.ServerCredentials] | None = None):
         self._listen = listen
+        self._credentials = credentials  # TLS (agent.tls keeps the certificate current); None: plaintext
         self._hub = hub
         self._pods = pods
         self._server: grpc.aio.Server | None = None
@@ -66,12 +69,14 @@ class GrpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         server.add_generic_rpc_handlers((LazyReflection(
             [service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, REFLECTION]),))
-        self.port = bind(server, self._listen, "grpc.listen")
+        self.port = bind(server, self._listen, "grpc.listen",
+                         credentials=self._credentials() if self._credentials else None)
         await server.start()
         self._server = server
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("grpc server listening", extra={"address": self._listen.rsplit(":", 1)[0] + f":{self.port}"})
+        log.info("grpc server listening", extra={"address": self._listen.rsplit(":", 1)[0] + f":{self.port}",
+                                                 "tls": self._credentials is not None})
 
     async def stop(self) -> None:
         if self._server is not None:

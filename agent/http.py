@@ -6,7 +6,8 @@ the components' state on the loop that changes it (no locks); formatting and com
 most of a scrape's cost, run in the executor's `metrics` lane, and requests that arrive while a page
 is being rendered get that page. Nothing a client does can hold the agent: connections are capped
 (the oldest idle or slowest ones make room), a request must arrive within the idle time-out, and an
-answer must be taken within the write time-out, a chunk at a time.
+answer must be taken within the write time-out, a chunk at a time. With `http.token_auth`, /metrics
+answers only scrapers the API server vouches for (agent.tokenauth); /healthz and /readyz stay open.
 """
 
 from __future__ import annotations
@@ -17,13 +18,17 @@ import functools
 import gzip
 import logging
 import socket
-from typing import Callable
+import ssl
+from typing import TYPE_CHECKING, Callable
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from agent.common.executor import Executor, Lane
 from agent.config import split_host_port
+
+if TYPE_CHECKING:  # imported by agent.app only with http.token_auth
+    from agent.tokenauth import TokenAuth
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,8 @@ WRITE_CHUNK = 64 * 1024  # the transport's high-water mark: a reader that stops 
 SEND_BUFFER = 128 * 1024
 LIMIT_LOG_INTERVAL_S = 60.0
 
+CHALLENGE = 'WWW-Authenticate: Bearer realm="npu-node-agent"\r\n'  # with a 401 (http.token_auth)
+
 IDLE, BUSY, STALLED = "idle", "busy", "stalled"  # no request yet / being answered / the answer waits on its reader
 
 
@@ -49,8 +56,11 @@ class HttpEndpoint:
     def __init__(self, listen: str, registry: CollectorRegistry, readiness: Callable[[], tuple[bool, list[str]]],
                  liveness: Callable[[], tuple[bool, str]] = lambda: (True, ""), lane: Lane | None = None,
                  max_connections: int = MAX_CONNECTIONS, idle_timeout_s: float = READ_TIMEOUT_S,
-                 write_timeout_s: float = WRITE_TIMEOUT_S, log_interval_s: float = LIMIT_LOG_INTERVAL_S):
+                 write_timeout_s: float = WRITE_TIMEOUT_S, log_interval_s: float = LIMIT_LOG_INTERVAL_S,
+                 tls: ssl.SSLContext | None = None, auth: TokenAuth | None = None):
         self._host, self._port = split_host_port(listen)
+        self._tls = tls  # HTTPS (agent.tls keeps the certificate current); None: plaintext
+        self._auth = auth  # who may scrape /metrics (http.token_auth); None: anyone
         self._registry = registry
         self._readiness = readiness
         self._liveness = liveness
@@ -74,11 +84,14 @@ class HttpEndpoint:
 
     async def start(self) -> None:
         try:
-            self._server = await asyncio.start_server(self._serve, self._host, self._port, limit=MAX_REQUEST_BYTES)
+            # A handshake must end within the idle time-out too: a client that connects and says nothing holds nothing.
+            self._server = await asyncio.start_server(
+                self._serve, self._host, self._port, limit=MAX_REQUEST_BYTES, ssl=self._tls,
+                ssl_handshake_timeout=self._idle_timeout_s if self._tls else None)
         except OSError as exc:
             raise OSError(f"http.listen {self._host}:{self._port}: cannot listen there ({exc.strerror or exc})") from None
         self.port = self._server.sockets[0].getsockname()[1]
-        log.info("http endpoint listening", extra={"address": f"{self._host}:{self.port}"})
+        log.info("http endpoint listening", extra={"address": f"{self._host}:{self.port}", "tls": self._tls is not None})
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -113,10 +126,11 @@ class HttpEndpoint:
             path = target.split("?", 1)[0]
             self.requests += 1
             try:
-                status, content_type, body, gzipped = await self._route(method, path, headers)
+                status, content_type, body, gzipped = await self._route(method, path, headers, peer(writer))
             except Exception as exc:  # a collector's bug costs this answer, never the endpoint or a silent close
                 (status, content_type, body), gzipped = self._failed(path, exc), False
             encoding = "Content-Encoding: gzip\r\n" if gzipped else ""
+            encoding += CHALLENGE if status.startswith("401") else ""
             header = (f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n{encoding}Content-Length: {len(body)}"
                       "\r\nConnection: close\r\n\r\n").encode("latin-1")
             async with asyncio.timeout(self._write_timeout_s):
@@ -178,11 +192,15 @@ class HttpEndpoint:
             log.error("http request failed; answered 500", exc_info=exc, extra={"path": path, "error": error})
         return "500 Internal Server Error", "text/plain", f"{error}\n".encode()
 
-    async def _route(self, method: str, path: str, headers: dict[str, str]) -> tuple[str, str, bytes, bool]:
-        """(status, content type, body, gzipped)."""
+    async def _route(self, method: str, path: str, headers: dict[str, str],
+                     client: str) -> tuple[str, str, bytes, bool]:
+        """(status, content type, body, gzipped); `client` is the peer's address."""
         if method not in ("GET", "HEAD"):
             return "405 Method Not Allowed", "text/plain", b"only GET\n", False
         if path == "/metrics":
+            # HEAD is a get, as the kubelet authorises it; the probes' paths below are open.
+            if self._auth and (refused := await self._auth.check(headers.get("authorization", ""), path, client)):
+                return refused.status, "text/plain", refused.body.encode(), False
             gzipped = accepts_gzip(headers.get("accept-encoding", ""))
             content_type, body = await self._metrics(headers.get("accept", ""), gzipped)
             return "200 OK", content_type, body, gzipped
@@ -233,6 +251,12 @@ class _Collected:
 def _encode(encode: Callable, collected: _Collected, gzipped: bool) -> bytes:
     body = encode(collected)
     return gzip.compress(body, compresslevel=6) if gzipped else body
+
+
+def peer(writer: asyncio.StreamWriter) -> str:
+    """The client's address (without its port: a scraper's every connection has a new one)."""
+    address = writer.get_extra_info("peername")
+    return str(address[0]) if isinstance(address, tuple) and address else ""
 
 
 def parse_headers(lines: list[str]) -> dict[str, str]:

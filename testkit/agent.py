@@ -38,6 +38,7 @@ class AgentProcess:
         self.launcher: list[str] = []  # a command the agent's command line is handed to (it must exec it)
         self.program: list[str] = [sys.executable, "-m", "agent"]  # or the `npu-node-agent` console script
         self.http_port = self.grpc_port = 0
+        self.token = ""  # the bearer token http() sends (http.token_auth)
 
     def start(self, ready_timeout: float = 20.0) -> "AgentProcess":
         self.logs.clear()
@@ -82,9 +83,13 @@ class AgentProcess:
 
     # ---- views from outside ---------------------------------------------------------------------
 
-    def http(self, path: str) -> tuple[int, str]:
+    def http(self, path: str, token: str | None = None) -> tuple[int, str]:
+        """(status, body) of a GET, with `token` (default: self.token) as its bearer token when there is one."""
+        token = self.token if token is None else token
+        request = urllib.request.Request(f"http://127.0.0.1:{self.http_port}{path}",
+                                         headers={"Authorization": f"Bearer {token}"} if token else {})
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}{path}", timeout=5) as response:
+            with urllib.request.urlopen(request, timeout=5) as response:
                 return response.status, response.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()

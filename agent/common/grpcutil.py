@@ -9,10 +9,12 @@ import grpc
 EXCLUSIVE = [("grpc.so_reuseport", 0)]
 
 
-def bind(server: grpc.aio.Server, listen: str, key: str, hint: str = "") -> int:
-    """Bind `listen` (the configuration key `key`); OSError with one clear line when it cannot."""
+def bind(server: grpc.aio.Server, listen: str, key: str, hint: str = "",
+         credentials: grpc.ServerCredentials | None = None) -> int:
+    """Bind `listen` (the configuration key `key`), with TLS when given `credentials`; OSError with
+    one clear line when it cannot."""
     try:
-        port = server.add_insecure_port(listen)
+        port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
     except RuntimeError:  # grpcio >= 1.60 raises where older versions returned 0
         port = 0
     if port == 0:

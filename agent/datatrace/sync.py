@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 from collections import Counter
@@ -38,7 +39,7 @@ class DatatraceSync:
     name = "datatrace"
 
     def __init__(self, root: Path, node: str, api_factory: Callable[[], object], pods: NodePods, *,
-                 kube: Lane, files: Lane, watch_timeout_s: int = 300):
+                 kube: Lane, files: Lane, watch_timeout_s: int = 300, namespaces: tuple[str, ...] = ()):
         self._files = SwitchFiles(root)
         self._files_lane = files
         self._kube = kube
@@ -49,7 +50,11 @@ class DatatraceSync:
         self._watch_timeout_s = watch_timeout_s
         self._pods: dict[tuple[str, str], PodInfo] = {}
         self._configmaps: dict[tuple[str, str], SwitchConfigMap] = {}
-        self._configmap_watch: ListWatch | None = None  # the pods come from the shared pod watch
+        # One watch of every namespace, or one per namespace listed (what per-namespace Roles allow);
+        # the pods come from the shared pod watch.
+        self._namespaces = tuple(namespaces)
+        self._configmap_watches: list[ListWatch] = []
+        self._found: dict[str, dict[tuple[str, str], SwitchConfigMap]] = {}  # by watch
         self._dirty = asyncio.Event()
         self.tasks = Tasks(self.name)
         self._rejected_seen: set[tuple[str, str]] = set()
@@ -63,7 +68,7 @@ class DatatraceSync:
 
     @property
     def watch_counters(self) -> dict[str, Counter[str]]:
-        configmaps = self._configmap_watch.counters if self._configmap_watch else Counter()
+        configmaps = sum((watch.counters for watch in self._configmap_watches), Counter())
         return {"pods": self._node_pods.counters, "configmaps": configmaps}
 
     async def start(self) -> None:
@@ -74,21 +79,27 @@ class DatatraceSync:
             self._unavailable = str(exc)
             log.error("datatrace sync cannot reach Kubernetes; switch files are not kept", extra={"error": str(exc)})
             return
-        self._configmap_watch = ListWatch("configmaps", api.list_config_map_for_all_namespaces, switch_configmap,
-                                          self._configmaps_changed, loop, self._kube, timeout_s=self._watch_timeout_s,
-                                          label_selector=CONFIGMAP_SELECTOR)
-        self.tasks.start("configmap-watch", self._configmap_watch.run)
+        # The client finds what a list returns in its method's docstring: the namespace goes as a keyword.
+        lists = [(f"configmaps/{namespace}", api.list_namespaced_config_map, {"namespace": namespace})
+                 for namespace in self._namespaces] or [("configmaps", api.list_config_map_for_all_namespaces, {})]
+        for name, list_call, where in lists:
+            watch = ListWatch(name, list_call, switch_configmap, functools.partial(self._configmaps_changed, name),
+                              loop, self._kube, timeout_s=self._watch_timeout_s, label_selector=CONFIGMAP_SELECTOR,
+                              **where)
+            self._configmap_watches.append(watch)
+            self.tasks.start("configmap-watch" if name == "configmaps" else f"{name}-watch", watch.run)
         self.tasks.start("sync", self._run, reset=self._dirty.set)  # after a failure: a full pass
-        log.info("datatrace sync started", extra={"root": str(self._files.root), "node": self._node})
+        log.info("datatrace sync started", extra={"root": str(self._files.root), "node": self._node,
+                                                  "namespaces": list(self._namespaces) or "all"})
 
     async def stop(self) -> None:
-        if self._configmap_watch is not None:
-            self._configmap_watch.stop()
+        for watch in self._configmap_watches:
+            watch.stop()
         await self.tasks.stop()
 
     @property
     def _configmaps_synced(self) -> bool:
-        return self._configmap_watch is not None and self._configmap_watch.synced
+        return bool(self._configmap_watches) and all(watch.synced for watch in self._configmap_watches)
 
     def readiness(self) -> tuple[bool, str]:
         if self._unavailable:
@@ -101,8 +112,9 @@ class DatatraceSync:
         self._pods = pods
         self._dirty.set()
 
-    def _configmaps_changed(self, configmaps: dict) -> None:
-        self._configmaps = configmaps
+    def _configmaps_changed(self, watch: str, configmaps: dict) -> None:
+        self._found[watch] = configmaps
+        self._configmaps = {key: value for found in self._found.values() for key, value in found.items()}
         self._dirty.set()
 
     async def _run(self) -> None:

@@ -49,6 +49,11 @@ class Rendered:
         return yaml.safe_load(self.one("ConfigMap", RELEASE)["data"]["config.yaml"])
 
 
+def rules(role: dict | None) -> list[dict] | None:
+    """A Role's or ClusterRole's resource rules as {apiGroups, resources, verbs}; None: no role."""
+    return None if role is None else [{k: r[k] for k in ("apiGroups", "resources", "verbs")} for r in role["rules"]]
+
+
 class Helm:
     def __init__(self, path: Path):
         self.path = path
@@ -57,26 +62,27 @@ class Helm:
     def run(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(self.path), *args], capture_output=True, text=True, timeout=60)
 
-    def template_args(self, values: str | None, sets: tuple[str, ...]) -> list[str]:
-        args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+    def template_args(self, values: str | None, sets: tuple[str, ...], flags: tuple[str, ...] = ()) -> list[str]:
+        args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, *flags]
         if values:
             args += ["-f", str(VALUES / f"{values}.yaml")]
         for item in sets:
             args += ["--set", item]
         return args
 
-    def render(self, values: str | None = None, *sets: str) -> Rendered:
-        """Render (cached per arguments: the tests only read the result)."""
-        key = (values, sets)
+    def render(self, values: str | None = None, *sets: str, flags: tuple[str, ...] = ()) -> Rendered:
+        """Render (cached per arguments: the tests only read the result). `flags`: more of helm
+        template's options, e.g. ("--api-versions", "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy")."""
+        key = (values, sets, flags)
         if key not in self._cache:
-            done = self.run(*self.template_args(values, sets))
+            done = self.run(*self.template_args(values, sets, flags))
             assert done.returncode == 0, f"helm template failed:\n{done.stderr}"
             self._cache[key] = Rendered([d for d in yaml.safe_load_all(done.stdout) if d])
         return self._cache[key]
 
-    def render_error(self, values: str | None = None, *sets: str) -> str:
+    def render_error(self, values: str | None = None, *sets: str, flags: tuple[str, ...] = ()) -> str:
         """Render that must fail; returns helm's message."""
-        done = self.run(*self.template_args(values, sets))
+        done = self.run(*self.template_args(values, sets, flags))
         assert done.returncode != 0, f"helm template unexpectedly succeeded with {values} {sets}"
         return done.stderr
 

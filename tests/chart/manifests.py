@@ -2,9 +2,11 @@
 
 Built-in kinds: the Kubernetes OpenAPI schemas shipped by `kubernetes-validate`, in strict mode
 (an unknown field is an error, as `kubectl apply --validate=strict` would say), for the oldest
-Kubernetes the chart supports and the newest the package knows. The prometheus-operator kinds
-are not in those schemas; they are checked against the structure below: the fields this chart
-uses, with their CRD types, and nothing else (a misspelt field fails).
+Kubernetes the chart supports and the newest the package knows (a kind the chart renders only from
+some version on, e.g. ValidatingAdmissionPolicy v1 from 1.30, is checked against the versions that
+have it: `problems(doc, versions)`). The prometheus-operator and cert-manager kinds are not in those
+schemas; they are checked against the structure below: the fields this chart uses, with their CRD
+types, and nothing else (a misspelt field fails).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import jsonschema
 import kubernetes_validate
 
 KUBE_VERSIONS = ("1.27", kubernetes_validate.latest_version())
+ADMISSION_POLICY_VERSIONS = ("1.30", kubernetes_validate.latest_version())  # ValidatingAdmissionPolicy v1
 
 _DNS1123 = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 _DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
@@ -37,10 +40,19 @@ _RELABEL = {
 }
 
 
-def _crd(kind: str, spec: dict) -> dict:
+_SECRET_KEY = {"type": "object", "required": ["key"], "additionalProperties": False,
+               "properties": {"name": {"type": "string"}, "key": {"type": "string"}, "optional": {"type": "boolean"}}}
+_CERT_USAGES = ["signing", "digital signature", "content commitment", "key encipherment", "key agreement",
+                "data encipherment", "cert sign", "crl sign", "encipher only", "decipher only", "any", "server auth",
+                "client auth", "code signing", "email protection", "s/mime", "ipsec end system", "ipsec tunnel",
+                "ipsec user", "timestamping", "ocsp signing", "microsoft sgc", "netscape sgc"]
+_GO_DURATION = {"type": "string", "pattern": r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$"}
+
+
+def _crd(kind: str, spec: dict, api_version: str = "monitoring.coreos.com/v1") -> dict:
     return {
         "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "additionalProperties": False,
-        "properties": {"apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": kind},
+        "properties": {"apiVersion": {"const": api_version}, "kind": {"const": kind},
                        "metadata": _METADATA, "spec": spec},
     }
 
@@ -63,10 +75,34 @@ CRD_SCHEMAS = {
                     "honorLabels": {"type": "boolean"}, "honorTimestamps": {"type": "boolean"},
                     "relabelings": {"type": "array", "items": _RELABEL},
                     "metricRelabelings": {"type": "array", "items": _RELABEL},
+                    "tlsConfig": {"type": "object", "additionalProperties": False, "properties": {
+                        "ca": {"type": "object", "additionalProperties": False, "maxProperties": 1,
+                               "properties": {"secret": _SECRET_KEY, "configMap": _SECRET_KEY}},
+                        "serverName": {"type": "string"}, "insecureSkipVerify": {"type": "boolean"}}},
+                    "bearerTokenFile": {"type": "string"},
+                    "authorization": {"type": "object", "additionalProperties": False, "properties": {
+                        "type": {"type": "string"}, "credentials": _SECRET_KEY}},
                 },
+                "not": {"required": ["bearerTokenFile", "authorization"]},
             }},
         },
     }),
+    "Certificate": _crd("Certificate", {
+        "type": "object", "required": ["secretName", "issuerRef"], "additionalProperties": False,
+        "anyOf": [{"required": [name]} for name in ("commonName", "dnsNames", "uris", "emailAddresses", "ipAddresses")],
+        "properties": {
+            "secretName": {"type": "string", "pattern": _DNS1123},
+            "issuerRef": {"type": "object", "required": ["name"], "additionalProperties": False,
+                          "properties": {"name": {"type": "string", "minLength": 1}, "kind": {"type": "string"},
+                                         "group": {"type": "string"}}},
+            "commonName": {"type": "string"}, "duration": _GO_DURATION, "renewBefore": _GO_DURATION,
+            "dnsNames": {"type": "array", "minItems": 1, "items": {"type": "string", "pattern": _DNS1123}},
+            "usages": {"type": "array", "items": {"enum": _CERT_USAGES}},
+            "privateKey": {"type": "object", "additionalProperties": False, "properties": {
+                "algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]}, "size": {"type": "integer"},
+                "encoding": {"enum": ["PKCS1", "PKCS8"]}, "rotationPolicy": {"enum": ["Never", "Always"]}}},
+        },
+    }, api_version="cert-manager.io/v1"),
     "PrometheusRule": _crd("PrometheusRule", {
         "type": "object", "required": ["groups"], "additionalProperties": False,
         "properties": {"groups": {"type": "array", "minItems": 1, "items": {
@@ -90,8 +126,9 @@ CRD_SCHEMAS = {
 }
 
 
-def problems(doc: dict) -> list[str]:
-    """Every schema violation of one rendered document, as readable lines."""
+def problems(doc: dict, versions: tuple[str, ...] = KUBE_VERSIONS) -> list[str]:
+    """Every schema violation of one rendered document, as readable lines (built-in kinds: for each
+    Kubernetes version of `versions`)."""
     kind = doc.get("kind", "?")
     where = f"{kind} {doc.get('metadata', {}).get('name', '?')}"
     if kind in CRD_SCHEMAS:
@@ -99,7 +136,7 @@ def problems(doc: dict) -> list[str]:
         return [f"{where}: {'.'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}"
                 for e in validator.iter_errors(doc)]
     found = []
-    for version in KUBE_VERSIONS:
+    for version in versions:
         try:
             kubernetes_validate.validate(doc, version, strict=True)
         except kubernetes_validate.ValidationError as exc:

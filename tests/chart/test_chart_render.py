@@ -12,7 +12,7 @@ from agent.config import load_config
 from agent.devices.scenario import load_scenario
 from agent.faults.rules.codes import load_fault_code_table
 from agent.faults.rules.customization import load_customization
-from tests.chart.conftest import CHART, NAMESPACE, RELEASE, VALUE_FILES, VALUES
+from tests.chart.conftest import CHART, NAMESPACE, RELEASE, VALUE_FILES, VALUES, rules
 from tests.chart.manifests import problems
 
 RENDERINGS = [None, *VALUE_FILES]  # None: the chart's defaults
@@ -50,7 +50,8 @@ def test_the_agent_accepts_the_rendered_files(helm, values, tmp_path):
 
 def test_config_follows_values(helm):
     config = helm.render("monitoring").agent_config
-    assert config["http"] == {"listen": "0.0.0.0:19410"} and config["grpc"] == {"listen": "0.0.0.0:19411"}
+    assert config["http"]["listen"] == "0.0.0.0:19410" and config["grpc"]["listen"] == "0.0.0.0:19411"
+    assert config["http"]["token_auth"] is False  # the section's other keys come from values
     assert "node_name" not in config  # NODE_NAME, per pod
     clusterd = helm.render("clusterd").agent_config
     assert clusterd["clusterd"]["enabled"] is True
@@ -208,14 +209,15 @@ def test_telemetry_widens_only_the_pid_namespace_and_only_on_real_npus(helm):
     assert simulated["hostPID"] is False  # fake NPUs have no processes on the host
 
 
-def _rules(rendered, kind: str) -> list[dict] | None:
-    role = rendered.maybe(kind)
-    return None if role is None else [{k: r[k] for k in ("apiGroups", "resources", "verbs")} for r in role["rules"]]
+def _rules(rendered, kind: str, name: str) -> list[dict] | None:
+    return rules(rendered.maybe(kind, name))
 
 
 PODS = {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}
 CONFIGMAPS = {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["list", "watch"]}
 DEVICE_INFO = {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create", "update"]}
+REVIEWS = [{"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
+           {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]}]
 
 
 @pytest.mark.parametrize("values, sets, cluster_rules, device_info_rules", [
@@ -226,16 +228,17 @@ DEVICE_INFO = {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create
     (None, ("agent.kubernetes.enabled=true", "agent.profiling.metrics=false",
             "agent.kubernetes.device_info_configmap=true"), None, [DEVICE_INFO]),
     (None, ("agent.kubernetes.enabled=true", "agent.datatrace.enabled=true"), [PODS, CONFIGMAPS], None),
-    ("kubernetes-full", (), [PODS, CONFIGMAPS], [DEVICE_INFO]),
+    ("kubernetes-full", (), [PODS, CONFIGMAPS, *REVIEWS], [DEVICE_INFO]),
+    ("kubernetes-full", ("agent.http.token_auth=false",), [PODS, CONFIGMAPS], [DEVICE_INFO]),
     ("taskd-proxy", (), None, None),
     ("taskd-proxy", ("agent.kubernetes.enabled=true", "agent.profiling.metrics=false"), [PODS], None),
 ])
 def test_rbac_is_what_the_features_use(helm, values, sets, cluster_rules, device_info_rules):
     rendered = helm.render(values, *sets)
-    assert _rules(rendered, "ClusterRole") == cluster_rules
-    assert _rules(rendered, "Role") == device_info_rules
-    assert bool(rendered.all("ClusterRoleBinding")) == bool(cluster_rules)
-    assert bool(rendered.all("RoleBinding")) == bool(device_info_rules)
+    assert _rules(rendered, "ClusterRole", RELEASE) == cluster_rules
+    assert _rules(rendered, "Role", f"{RELEASE}-deviceinfo") == device_info_rules
+    assert bool(rendered.maybe("ClusterRoleBinding", RELEASE)) == bool(cluster_rules)
+    assert bool(rendered.maybe("RoleBinding", f"{RELEASE}-deviceinfo")) == bool(device_info_rules)
     assert rendered.pod["spec"]["automountServiceAccountToken"] is bool(cluster_rules or device_info_rules)
     assert rendered.one("ServiceAccount")["automountServiceAccountToken"] is False
 
@@ -246,7 +249,7 @@ def test_rbac_bindings_point_at_the_service_account(helm):
     assert rendered.pod["spec"]["serviceAccountName"] == account
     role = rendered.one("Role")
     assert role["metadata"]["namespace"] == "kube-system"
-    for binding in (rendered.one("ClusterRoleBinding"), rendered.one("RoleBinding")):
+    for binding in (rendered.one("ClusterRoleBinding", RELEASE), rendered.one("RoleBinding")):
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
     assert rendered.one("RoleBinding")["roleRef"]["name"] == role["metadata"]["name"]
     assert not helm.render("kubernetes-full", "rbac.create=false").all("ClusterRole")

@@ -96,7 +96,8 @@ def test_dockerfile_uses_the_script_and_declares_the_runtime():
                  'CMD ["run", "--config", "/etc/npu-node-agent/config.yaml"]'):
         assert re.search(rf"^{re.escape(line)}$", dockerfile, re.M), line
     assert "PYTHONDONTWRITEBYTECODE=1" in dockerfile
-    assert re.search(r"HEALTHCHECK .*\n.*urllib\.request\.urlopen\('http://127\.0\.0\.1:9410/healthz'", dockerfile)
+    healthcheck = re.search(r"HEALTHCHECK .*\n.*\n.*", dockerfile)[0]  # plaintext, else HTTPS (tls.cert_file)
+    assert "urlopen('http://127.0.0.1:9410/healthz'" in healthcheck and "urlopen('https://127.0.0.1:9410/healthz'" in healthcheck
 
 
 def test_docker_context_holds_what_the_dockerfile_copies():

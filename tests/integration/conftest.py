@@ -7,7 +7,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import yaml
 
 from testkit.agent import AgentProcess
 from testkit.fakes.dcmi import FakeDcmiControl, build_fake_dcmi, physical_id
@@ -77,13 +76,7 @@ def start_agent(fake_libs, short_dir, tmp_path):
 def kube(tmp_path):
     """A Kubernetes API stand-in and a kubeconfig pointing at it."""
     with KubeStandIn() as standin:
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "test",
-            "clusters": [{"name": "test", "cluster": {"server": standin.url}}],
-            "users": [{"name": "test", "user": {}}],
-            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}]}))
-        yield standin, str(kubeconfig)
+        yield standin, standin.write_kubeconfig(tmp_path / "kubeconfig")
 
 
 @pytest.fixture

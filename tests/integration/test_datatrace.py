@@ -252,3 +252,19 @@ def test_a_job_directory_removed_as_it_is_made_never_sends_a_write_outside_the_r
             os.sched_setaffinity(int(task), os.sched_getaffinity(0))
         for name in strays():  # left by a writer that went around the root
             (cwd / name).unlink()
+
+
+def test_listed_namespaces_are_watched_each_on_its_own_and_no_other(start_agent, kube, tmp_path):
+    """agent.datatrace.namespaces: one watch per namespace (what per-namespace Roles allow); a job
+    elsewhere gets no switch file."""
+    standin, kubeconfig = kube
+    root = tmp_path / "datatrace"
+    agent, _ = start_agent(kubernetes={"enabled": True}, env={"KUBECONFIG": kubeconfig},
+                           datatrace={"enabled": True, "root": str(root), "namespaces": ["team-a", "team-c"]})
+    for namespace in ("team-a", "team-b", "team-c"):
+        standin.put(pod(namespace, "job-0", "job"))
+        standin.put(switch_cm(namespace, "job", ON))
+    converges(root, {"team-a.data-trace-job": ON, "team-c.data-trace-job": ON, "team-b.data-trace-job": None})
+    standin.put(switch_cm("team-c", "job", OFF))
+    converges(root, {"team-a.data-trace-job": ON, "team-c.data-trace-job": OFF, "team-b.data-trace-job": None})
+    assert agent.wait_for_log("datatrace sync started")["namespaces"] == ["team-a", "team-c"]

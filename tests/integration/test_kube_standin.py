@@ -7,11 +7,14 @@ import threading
 import time
 
 import pytest
+import urllib3
 from kubernetes import watch
-from kubernetes.client import V1ConfigMap, V1ObjectMeta
+from kubernetes.client import (V1ConfigMap, V1NonResourceAttributes, V1ObjectMeta, V1ResourceAttributes,
+                               V1SubjectAccessReview, V1SubjectAccessReviewSpec, V1TokenReview, V1TokenReviewSpec)
 from kubernetes.client.rest import ApiException
 
 from testkit.fakes.kube import KubeStandIn
+from testkit.fakes.kube.server import AUDIENCES
 from testkit.wait import wait_until
 
 NS = "kube-system"
@@ -336,3 +339,122 @@ def test_fail_next_injects_statuses_and_requests_are_recorded(api, kube):
 
     assert ("GET", f"/api/v1/namespaces/{NS}/configmaps/cm") in kube.requests
     assert any(m == "GET" and "watch=true" in p and "timeoutSeconds=1" in p for m, p in kube.requests)
+
+
+# ----------------------------------------------------------------------------- authentication and RBAC
+
+
+def token_review(token: str, audiences=None) -> V1TokenReview:
+    return V1TokenReview(spec=V1TokenReviewSpec(token=token, audiences=audiences))
+
+
+def metrics_review(user: str, groups=None) -> V1SubjectAccessReview:
+    return V1SubjectAccessReview(spec=V1SubjectAccessReviewSpec(
+        user=user, groups=groups, non_resource_attributes=V1NonResourceAttributes(path="/metrics", verb="get")))
+
+
+@pytest.fixture
+def rbac():
+    """An API server with RBAC: a reviewer (the agent), a scraper in the monitoring namespace, nobody else."""
+    with KubeStandIn(rbac=True) as server:
+        reviewer = server.add_service_account_token("reviewer-token", "npu", "agent")
+        server.allow(user=reviewer, verbs=("create",), resources=("tokenreviews.authentication.k8s.io",
+                                                                  "subjectaccessreviews.authorization.k8s.io"))
+        server.add_service_account_token("scraper-token", "monitoring", "prometheus")
+        server.allow(group="system:serviceaccounts:monitoring", verbs=("get",), paths=("/metrics",))
+        yield server
+
+
+def test_a_token_review_names_the_user_its_groups_and_audiences_and_echoes_the_token(rbac):
+    authn = rbac.client("reviewer-token", "AuthenticationV1Api")
+    review = authn.create_token_review(token_review("scraper-token"))
+    assert review.spec.token == "scraper-token"  # as the real API server answers
+    assert review.status.authenticated is True and review.status.audiences == list(AUDIENCES)
+    assert review.status.user.username == "system:serviceaccount:monitoring:prometheus" and review.status.user.uid
+    assert review.status.user.groups == ["system:serviceaccounts", "system:serviceaccounts:monitoring",
+                                         "system:authenticated"]
+    unknown = authn.create_token_review(token_review("made-up")).status
+    assert (unknown.authenticated, unknown.error, unknown.user.username) == (None, None, None)  # omitted, as there
+    elsewhere = authn.create_token_review(token_review("scraper-token", audiences=["vault"])).status
+    assert not elsewhere.authenticated and "invalid for the target audiences" in elsewhere.error
+    rbac.expire_token("scraper-token")
+    expired = authn.create_token_review(token_review("scraper-token")).status
+    assert not expired.authenticated and "expired" in expired.error
+    with pytest.raises(ApiException) as err:
+        authn.create_token_review(token_review(""))
+    assert err.value.status == 400 and "token is required" in status_of(err.value)["message"]
+
+
+def test_a_subject_access_review_allows_by_rule_and_otherwise_has_no_opinion(rbac):
+    authz = rbac.client("reviewer-token", "AuthorizationV1Api")
+    allowed = authz.create_subject_access_review(metrics_review("x", ["system:serviceaccounts:monitoring"])).status
+    assert allowed.allowed is True and 'to Group "system:serviceaccounts:monitoring"' in allowed.reason
+    nobody = authz.create_subject_access_review(metrics_review("system:serviceaccount:default:nosy")).status
+    assert (nobody.allowed, nobody.denied, nobody.reason) == (False, None, None)
+    other_path = metrics_review("x", ["system:serviceaccounts:monitoring"])
+    other_path.spec.non_resource_attributes.path = "/debug/pprof"
+    assert authz.create_subject_access_review(other_path).status.allowed is False
+    with pytest.raises(ApiException) as err:  # neither user nor groups
+        authz.create_subject_access_review(metrics_review(None))
+    assert err.value.status == 422 and "at least one of user or group" in status_of(err.value)["message"]
+    both = V1SubjectAccessReview(spec=V1SubjectAccessReviewSpec(user="x", resource_attributes=V1ResourceAttributes(
+        verb="get", resource="pods"), non_resource_attributes=V1NonResourceAttributes(path="/metrics", verb="get")))
+    with pytest.raises(ApiException) as err:
+        authz.create_subject_access_review(both)
+    assert err.value.status == 422 and "exactly one of" in status_of(err.value)["message"]
+
+
+def test_every_caller_is_authenticated_and_with_rbac_authorised(rbac):
+    with pytest.raises(ApiException) as err:  # a token the server does not know: 401 on every path
+        rbac.client("made-up").list_namespaced_pod(NS)
+    assert err.value.status == 401 and status_of(err.value)["reason"] == "Unauthorized"
+    with pytest.raises(ApiException) as err:  # anonymous, or known without a rule: 403 naming what is missing
+        rbac.client().list_namespaced_pod(NS)
+    assert err.value.status == 403
+    assert 'User "system:anonymous" cannot list resource "pods"' in status_of(err.value)["message"]
+    with pytest.raises(ApiException) as err:  # a scraper may not review tokens
+        rbac.client("scraper-token", "AuthenticationV1Api").create_token_review(token_review("scraper-token"))
+    assert err.value.status == 403
+    assert ('tokenreviews.authentication.k8s.io is forbidden: User "system:serviceaccount:monitoring:prometheus" '
+            'cannot create resource "tokenreviews" in API group "authentication.k8s.io" at the cluster scope'
+            ) in status_of(err.value)["message"]
+    rbac.allow(user="system:serviceaccount:npu:agent", verbs=("list", "watch"), resources=("pods",))
+    assert rbac.client("reviewer-token").list_namespaced_pod(NS).items == []
+    rbac.expire_token("reviewer-token")
+    with pytest.raises(ApiException) as err:
+        rbac.client("reviewer-token").list_namespaced_pod(NS)
+    assert err.value.status == 401
+
+
+def test_without_rbac_anyone_may_do_anything(kube):
+    authn = kube.client("", "AuthenticationV1Api")
+    assert authn.create_token_review(token_review("nobody-knows")).status.authenticated is None
+
+
+def test_a_hung_request_is_held_until_released_or_stopped(rbac):
+    authn = rbac.client("reviewer-token", "AuthenticationV1Api")
+    rbac.hang("POST", "tokenreviews")
+    with pytest.raises(urllib3.exceptions.ReadTimeoutError):  # the client's own time-out ends the wait
+        authn.create_token_review(token_review("scraper-token"), _request_timeout=0.3)
+    assert rbac.held == 1
+    rbac.release()
+    wait_until(lambda: rbac.held == 0, 5, "the held request to go on")
+    assert authn.create_token_review(token_review("scraper-token")).status.authenticated  # the rule is gone
+
+    rbac.hang("POST", "tokenreviews")
+    answer: list = []
+    caller = threading.Thread(target=lambda: answer.append(
+        _outcome(lambda: authn.create_token_review(token_review("scraper-token"), _request_timeout=10))))
+    caller.start()
+    wait_until(lambda: rbac.held == 1, 5, "the request to be held")
+    started = time.monotonic()
+    rbac.stop()  # a server that dies: the connection closes without an answer
+    caller.join(5)
+    assert time.monotonic() - started < 5 and isinstance(answer[0], urllib3.exceptions.HTTPError), answer
+
+
+def _outcome(call):
+    try:
+        return call()
+    except Exception as exc:  # handed to the test thread
+        return exc

@@ -17,7 +17,7 @@ import textwrap
 import typing
 from pathlib import Path
 
-from agent.config import Config, Key
+from agent.config import NAMESPACE, Config, Key
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGURATION = REPO / "docs" / "configuration.md"
@@ -30,9 +30,11 @@ TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean"}
 SCHEMA_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
 SHAPE_SCHEMAS = {"host_port": {"$ref": "#/definitions/hostPort"}, "absolute_path": {"$ref": "#/definitions/absolutePath"},
                  "absolute_path_or_empty": {"type": "string", "pattern": "^(/.*)?$"},
-                 "not_empty": {"type": "string", "minLength": 1}}
+                 "not_empty": {"type": "string", "minLength": 1},
+                 "namespaces": {"type": "array", "items": {"type": "string", "pattern": f"^{NAMESPACE.pattern}$"},
+                                "uniqueItems": True}}
 
-CHART_SET = {"node_name": "each pod's node (the downward API)", "http": "ports.http", "grpc": "ports.grpc"}
+CHART_SET = {"node_name": "each pod's node (the downward API)", "http.listen": "ports.http", "grpc.listen": "ports.grpc"}
 CHART_NOTES = {
     "state_dir": "A hostPath, created if missing: how a restarted or upgraded agent remembers.",
     "devices.backend": "With `dcmi` the container runs privileged (see `dcmi`).",
@@ -74,7 +76,8 @@ def declared_keys(schema: type = Config, prefix: str = "") -> list[tuple[str, ty
 
 
 def _type_name(hint) -> str:
-    return "mapping of string to string" if typing.get_origin(hint) is dict else TYPE_NAMES[hint]
+    origin = typing.get_origin(hint)
+    return {dict: "mapping of string to string", list: "list of strings"}.get(origin) or TYPE_NAMES[hint]
 
 
 def config_keys(schema: type = Config) -> list[tuple[str, str, str]]:
@@ -111,7 +114,7 @@ def meanings(document: str) -> dict[str, str]:
 
 
 def _charted(schema: type = Config) -> list[tuple[str, type, object, Key]]:
-    return [entry for entry in declared_keys(schema) if entry[0].split(".")[0] not in CHART_SET]
+    return [entry for entry in declared_keys(schema) if entry[0] not in CHART_SET]
 
 
 def _sentence(text: str) -> str:
@@ -140,7 +143,7 @@ def values_block(schema: type = Config) -> str:
         said += f" {CHART_NOTES[path]}" if path in CHART_NOTES else ""
         lines += textwrap.wrap(said, 100, initial_indent=f"{indent}# ", subsequent_indent=f"{indent}# ",
                                break_on_hyphens=False)
-        if isinstance(default, dict):
+        if isinstance(default, dict) and default:
             lines.append(f"{indent}{name}:")
             lines += [f"{indent}  {k}: {_yaml_scalar(v)}" for k, v in default.items()]
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import grpc
 
@@ -38,9 +39,19 @@ def _faulty(device: pb.DeviceFaults) -> bool:
     return bool(device.codes) or device.level != "NormalNPU"
 
 
-def print_faults(target: str, follow: bool, as_json: bool, timeout: float, out=sys.stdout) -> int:
+def channel_credentials(ca_file: str = "", cert_file: str = "", key_file: str = "") -> grpc.ChannelCredentials | None:
+    """TLS to an agent with tls.cert_file set (`ca_file`: the CAs its certificate comes from), with this
+    client's certificate when the agent asks for one (tls.client_ca_file); None: plaintext."""
+    if not (ca_file or cert_file):
+        return None
+    read = {path: Path(path).read_bytes() for path in (ca_file, cert_file, key_file) if path}
+    return grpc.ssl_channel_credentials(read.get(ca_file), read.get(key_file), read.get(cert_file))
+
+
+def print_faults(target: str, follow: bool, as_json: bool, timeout: float, out=sys.stdout,
+                 credentials: grpc.ChannelCredentials | None = None) -> int:
     epoch, revision, delay = "", 0, 0.5
-    with grpc.insecure_channel(target) as channel:
+    with grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target) as channel:
         stub = pb_grpc.NodeFaultsStub(channel)
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout)

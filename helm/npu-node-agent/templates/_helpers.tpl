@@ -48,6 +48,28 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
      read-only ConfigMap volume cannot be created. */}}
 {{- define "npu-node-agent.configDir" -}}/etc/npu-node-agent{{- end -}}
 {{- define "npu-node-agent.filesDir" -}}/etc/npu-node-agent-files{{- end -}}
+{{- define "npu-node-agent.tlsDir" -}}/etc/npu-node-agent-tls{{- end -}}
+{{- define "npu-node-agent.clientCADir" -}}/etc/npu-node-agent-client-ca{{- end -}}
+
+{{/* The Secret holding the agent's certificate: tls.secretName, else the one tls.certManager's
+     Certificate writes ("" = none). */}}
+{{- define "npu-node-agent.tlsSecret" -}}
+{{- if .Values.tls.secretName -}}
+{{- .Values.tls.secretName -}}
+{{- else if .Values.tls.certManager.enabled -}}
+{{- printf "%s-tls" (include "npu-node-agent.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when the agent serves TLS (from the chart's Secret or agent.tls.cert_file), else "". */}}
+{{- define "npu-node-agent.tlsOn" -}}
+{{- if or (include "npu-node-agent.tlsSecret" .) .Values.agent.tls.cert_file -}}true{{- end -}}
+{{- end -}}
+
+{{/* "true" when scrapes of /metrics must carry a token (agent.http.token_auth), else "". */}}
+{{- define "npu-node-agent.tokenAuth" -}}
+{{- if dig "http" "token_auth" false .Values.agent -}}true{{- end -}}
+{{- end -}}
 
 {{/* Cross-key checks the schema cannot say clearly; each fails the render with the fix. */}}
 {{- define "npu-node-agent.validate" -}}
@@ -64,14 +86,32 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if eq (int .Values.ports.http) (int .Values.ports.grpc) -}}
 {{- fail (printf "ports.http and ports.grpc are both %d; give them different ports" (int .Values.ports.http)) -}}
 {{- end -}}
-{{- $files := list
-      (list .Values.files.faultCode $a.faults.fault_code_file "files.faultCode" "agent.faults.fault_code_file")
-      (list .Values.files.customization $a.faults.customization_file "files.customization" "agent.faults.customization_file")
-      (list .Values.files.scenario $a.devices.simulated.scenario "files.scenario" "agent.devices.simulated.scenario") -}}
-{{- range $files -}}
+{{- $tlsSecret := include "npu-node-agent.tlsSecret" . -}}
+{{- $tlsFrom := ternary "tls.secretName" "tls.certManager.enabled" (not (empty .Values.tls.secretName)) -}}
+{{- /* (the chart's value, the agent key it sets, their names, what the value gives) */ -}}
+{{- $given := list
+      (list .Values.files.faultCode $a.faults.fault_code_file "files.faultCode" "agent.faults.fault_code_file" "the file's content")
+      (list .Values.files.customization $a.faults.customization_file "files.customization" "agent.faults.customization_file" "the file's content")
+      (list .Values.files.scenario $a.devices.simulated.scenario "files.scenario" "agent.devices.simulated.scenario" "the file's content")
+      (list $tlsSecret $a.tls.cert_file $tlsFrom "agent.tls.cert_file" "the Secret")
+      (list $tlsSecret $a.tls.key_file $tlsFrom "agent.tls.key_file" "the Secret")
+      (list .Values.tls.clientCASecretName $a.tls.client_ca_file "tls.clientCASecretName" "agent.tls.client_ca_file" "the Secret") -}}
+{{- range $given -}}
 {{- if and (index . 0) (index . 1) -}}
-{{- fail (printf "%s and %s are both set; give the file's content or its path, not both" (index . 2) (index . 3)) -}}
+{{- fail (printf "%s and %s are both set; give %s or its path, not both" (index . 2) (index . 3) (index . 4)) -}}
 {{- end -}}
+{{- end -}}
+{{- if and .Values.tls.certManager.enabled (not .Values.tls.certManager.issuerRef.name) -}}
+{{- fail "tls.certManager.enabled needs tls.certManager.issuerRef.name: the Issuer (or ClusterIssuer, with issuerRef.kind) that signs the agent's certificate" -}}
+{{- end -}}
+{{- if and .Values.tls.clientCASecretName (not (include "npu-node-agent.tlsOn" .)) -}}
+{{- fail "tls.clientCASecretName needs a server certificate (tls.secretName, tls.certManager.enabled or agent.tls.cert_file): gRPC clients present certificates only over TLS" -}}
+{{- end -}}
+{{- if and (include "npu-node-agent.tlsOn" .) .Values.probes.readiness.grpc -}}
+{{- fail "probes.readiness.grpc: true cannot check the agent once it serves TLS (the kubelet's gRPC probe speaks plaintext only); set probes.readiness.grpc: false, the HTTPS probe of /readyz" -}}
+{{- end -}}
+{{- if and (include "npu-node-agent.tokenAuth" .) (not $a.kubernetes.enabled) -}}
+{{- fail "agent.http.token_auth needs agent.kubernetes.enabled: true (the agent checks each scrape's token with a TokenReview and a SubjectAccessReview)" -}}
 {{- end -}}
 {{- if and .Values.serviceMonitor.enabled (not .Values.service.enabled) -}}
 {{- fail "serviceMonitor.enabled needs service.enabled: true (a ServiceMonitor selects a Service)" -}}
@@ -81,17 +121,27 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{/* The agent's config.yaml: the values' `agent` section, plus the keys the chart owns. */}}
 {{- define "npu-node-agent.agentConfig" -}}
 {{- $cfg := deepCopy .Values.agent -}}
-{{- $_ := set $cfg "http" (dict "listen" (printf "0.0.0.0:%d" (int .Values.ports.http))) -}}
-{{- $_ = set $cfg "grpc" (dict "listen" (printf "0.0.0.0:%d" (int .Values.ports.grpc))) -}}
+{{- range $section, $port := dict "http" .Values.ports.http "grpc" .Values.ports.grpc -}}
+{{- $keys := get $cfg $section | default dict -}}
+{{- $_ := set $keys "listen" (printf "0.0.0.0:%d" (int $port)) -}}
+{{- $_ = set $cfg $section $keys -}}
+{{- end -}}
 {{- $dir := include "npu-node-agent.filesDir" . -}}
+{{- if include "npu-node-agent.tlsSecret" . -}}
+{{- $_ := set $cfg.tls "cert_file" (printf "%s/tls.crt" (include "npu-node-agent.tlsDir" .)) -}}
+{{- $_ = set $cfg.tls "key_file" (printf "%s/tls.key" (include "npu-node-agent.tlsDir" .)) -}}
+{{- end -}}
+{{- if .Values.tls.clientCASecretName -}}
+{{- $_ := set $cfg.tls "client_ca_file" (printf "%s/%s" (include "npu-node-agent.clientCADir" .) .Values.tls.clientCAKey) -}}
+{{- end -}}
 {{- if .Values.files.faultCode -}}
-{{- $_ = set $cfg.faults "fault_code_file" (printf "%s/faultCode.json" $dir) -}}
+{{- $_ := set $cfg.faults "fault_code_file" (printf "%s/faultCode.json" $dir) -}}
 {{- end -}}
 {{- if .Values.files.customization -}}
-{{- $_ = set $cfg.faults "customization_file" (printf "%s/faultCustomization.json" $dir) -}}
+{{- $_ := set $cfg.faults "customization_file" (printf "%s/faultCustomization.json" $dir) -}}
 {{- end -}}
 {{- if .Values.files.scenario -}}
-{{- $_ = set $cfg.devices.simulated "scenario" (printf "%s/scenario.yaml" $dir) -}}
+{{- $_ := set $cfg.devices.simulated "scenario" (printf "%s/scenario.yaml" $dir) -}}
 {{- end -}}
 {{- toYaml $cfg -}}
 {{- end -}}
@@ -108,23 +158,70 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   resources: [pods]
   verbs: [list, watch]
 {{- end }}
-{{- if $a.datatrace.enabled }}
-# data-trace-<job> ConfigMaps (label reset=true) in every namespace: the switch files' content.
-- apiGroups: [""]
-  resources: [configmaps]
-  verbs: [list, watch]
+{{- if and $a.datatrace.enabled (not $a.datatrace.namespaces) }}
+{{- include "npu-node-agent.datatraceRules" . }}
+{{- end }}
+{{- if include "npu-node-agent.tokenAuth" . }}
+# Each scrape of /metrics: is its bearer token valid (TokenReview), and may that user GET /metrics
+# (SubjectAccessReview)? The agent only creates these reviews; the API server stores nothing.
+- apiGroups: [authentication.k8s.io]
+  resources: [tokenreviews]
+  verbs: [create]
+- apiGroups: [authorization.k8s.io]
+  resources: [subjectaccessreviews]
+  verbs: [create]
 {{- end }}
 {{- end -}}
 {{- end -}}
 
+{{/* Datatrace's ConfigMap watch: in the ClusterRole, or in a Role per agent.datatrace.namespaces entry.
+     RBAC cannot narrow it further: resourceNames do not restrict list/watch, nor can a rule
+     select by label (data-trace-<job>, reset=true). */}}
+{{- define "npu-node-agent.datatraceRules" }}
+# data-trace-<job> ConfigMaps (label reset=true): the switch files' content.
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [list, watch]
+{{- end -}}
+
 {{- define "npu-node-agent.deviceInfoRules" -}}
 {{- if and .Values.agent.kubernetes.enabled .Values.agent.kubernetes.device_info_configmap }}
-# kube-system/mindx-dl-deviceinfo-<node>: the agent replaces it, and creates it on 404. The name
-# holds the node, so it cannot be narrowed with resourceNames in one Role for all nodes.
+# kube-system/mindx-dl-deviceinfo-<node>: the agent replaces it (update), and creates it on 404.
+# Neither can be narrowed here: create takes no resourceNames, and the names hold the nodes, which
+# one Role for every node of a DaemonSet cannot list. The ValidatingAdmissionPolicy (>= 1.30)
+# narrows each agent to its own node's ConfigMap.
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [create, update]
 {{- end -}}
+{{- end -}}
+
+{{/* A RoleBinding or ClusterRoleBinding of the agent's service account (or of `subjects`), to the
+     Role or ClusterRole of the same name: dict "root" $ "kind" "RoleBinding" "name" N
+     ["namespace" NS] ["subjects" LIST]. */}}
+{{- define "npu-node-agent.binding" -}}
+{{- $root := .root -}}
+apiVersion: rbac.authorization.k8s.io/v1
+kind: {{ .kind }}
+metadata:
+  name: {{ .name }}
+  {{- with .namespace }}
+  namespace: {{ . }}
+  {{- end }}
+  labels:
+    {{- include "npu-node-agent.labels" $root | nindent 4 }}
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: {{ trimSuffix "Binding" .kind }}
+  name: {{ .name }}
+subjects:
+  {{- if .subjects }}
+  {{- toYaml .subjects | nindent 2 }}
+  {{- else }}
+  - kind: ServiceAccount
+    name: {{ include "npu-node-agent.serviceAccountName" $root }}
+    namespace: {{ $root.Release.Namespace }}
+  {{- end }}
 {{- end -}}
 
 {{/* Why the container runs as root, one word per feature ("" = it does not). Shown on the pod as

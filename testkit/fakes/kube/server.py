@@ -1,9 +1,20 @@
-"""A small in-process stand-in for the Kubernetes API server (core/v1 ConfigMaps and Pods).
+"""A small in-process stand-in for the Kubernetes API server (core/v1 ConfigMaps and Pods,
+TokenReviews and SubjectAccessReviews).
 
 It speaks just enough of the REST protocol for the official ``kubernetes`` Python client
-(``CoreV1Api`` and ``kubernetes.watch.Watch``) to be pointed at it over a real socket:
-CRUD, list with label/field selectors, and watch streams with resourceVersion resume and
-410 expiry.  Standard library only, so it can run anywhere the tests run.
+(``CoreV1Api``, ``AuthenticationV1Api``, ``AuthorizationV1Api`` and ``kubernetes.watch.Watch``) to
+be pointed at it over a real socket: CRUD, list with label/field selectors, and watch streams with
+resourceVersion resume and 410 expiry.  Standard library only, so it can run anywhere the tests run.
+
+Authentication and authorisation, as the real server does them: every request's bearer token is
+looked up in the tokens a test configures (`add_token`); a token it does not know is a 401 on
+every path, a request without one is `system:anonymous`. Authorisation is `AlwaysAllow` unless the
+stand-in is made with `rbac=True`: then every request (a review's creation included) needs a rule
+(`allow`) granting its caller the verb, and a 403 names what is missing. A TokenReview answers
+with the token's user and audiences (echoing the token in `spec`, as the real server does); a
+SubjectAccessReview with `allowed` (and the granting rule as `reason`) from the same rules, or
+with nothing but `allowed: false` (RBAC has no opinion). Outage: `stop()` (connection refused),
+`fail_next` (an error status), `hang` (a request held until `release()`).
 
 Concurrency model: one Condition guards the whole state (objects, resourceVersion counter,
 event history).  Every write appends to a bounded history ring and notifies; each watch
@@ -15,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import json
 import re
 import secrets
@@ -25,6 +37,7 @@ import time
 import uuid
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 # kind <-> REST resource name.  Anything else is an unknown path (404), like a missing API.
@@ -47,6 +60,39 @@ REASONS = {
 
 _MERGE_PATCH_TYPES = ("application/merge-patch+json", "application/strategic-merge-patch+json")
 _PATH = re.compile(r"^/api/v1/(?:namespaces/(?P<ns>[^/]+)/)?(?P<resource>[^/]+)(?:/(?P<name>[^/]+))?/?$")
+
+# The create-only review APIs: path -> (kind, API group, resource).
+REVIEWS = {
+    "/apis/authentication.k8s.io/v1/tokenreviews": ("TokenReview", "authentication.k8s.io", "tokenreviews"),
+    "/apis/authorization.k8s.io/v1/subjectaccessreviews": ("SubjectAccessReview", "authorization.k8s.io",
+                                                           "subjectaccessreviews"),
+}
+ANONYMOUS = {"username": "system:anonymous", "groups": ["system:unauthenticated"]}
+# The API server's own audience (--api-audiences defaults to the service account issuer).
+AUDIENCES = ("https://kubernetes.default.svc.cluster.local",)
+_VERBS = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One RBAC grant: a ClusterRole's rule bound to one user or group by a ClusterRoleBinding."""
+
+    name: str
+    subject: tuple[str, str]  # ("User" or "Group", name)
+    verbs: tuple[str, ...]
+    paths: tuple[str, ...] = ()  # nonResourceURLs: exact, "*", or a prefix ending in "*"
+    resources: tuple[str, ...] = ()  # "configmaps", "tokenreviews.authentication.k8s.io", "*"
+
+    def grants(self, user: dict, verb: str, path: str | None = None, resource: str | None = None) -> bool:
+        kind, name = self.subject
+        if not (name == user.get("username") if kind == "User" else name in (user.get("groups") or ())):
+            return False
+        if "*" not in self.verbs and verb not in self.verbs:
+            return False
+        if path is not None:  # RBAC's NonResourceURLMatches
+            return any(url == "*" or url == path or (url.endswith("*") and path.startswith(url[:-1]))
+                       for url in self.paths)
+        return "*" in self.resources or resource in self.resources
 
 
 def _kind_of(kind_or_resource: str) -> str:
@@ -327,11 +373,23 @@ class _Handler(BaseHTTPRequestHandler):
         standin._log(method, self.path)
         raw = self._read_body()
         try:
-            injected = standin._take_failure(method, self.path)
+            injected = standin._take_failure(method, self.path)  # before a hold: a held request's fate is set
+            if not standin._hold(method, self.path):  # stopped while held: no answer
+                self.close_connection = True
+                return
             if injected:
                 raise ApiError(injected, f"injected failure ({injected}) for {method} {self.path}")
+            caller = standin._authenticate(self.headers.get("Authorization") or "")
             url = urlsplit(self.path)
             query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
+            body = None
+            if raw:
+                try:
+                    body = json.loads(raw)
+                except ValueError as exc:
+                    raise ApiError(400, f"invalid JSON body: {exc}") from None
+            if url.path in REVIEWS:
+                return self._review(method, REVIEWS[url.path], body, caller)
             m = _PATH.match(url.path)
             if not m or m["resource"] not in RESOURCES:
                 raise ApiError(404, f"the server could not find the requested resource ({url.path})")
@@ -339,18 +397,36 @@ class _Handler(BaseHTTPRequestHandler):
             if m["ns"] is None and name is not None:
                 # /api/v1/configmaps/x is not a thing; items always live under a namespace.
                 raise ApiError(404, f"the server could not find the requested resource ({url.path})")
-            body = None
-            if raw:
-                try:
-                    body = json.loads(raw)
-                except ValueError as exc:
-                    raise ApiError(400, f"invalid JSON body: {exc}") from None
+            verb = "list" if method == "GET" and name is None else _VERBS.get(method, method.lower())
+            standin._authorize(caller, "watch" if verb == "list" and query.get("watch") in ("true", "1") else verb,
+                               resource, "", ns)
             if name is None:
                 self._collection(method, ns, resource, query, body)
             else:
                 self._item(method, ns, resource, name, body)
         except ApiError as err:
             self._send_json(err.code, err.body)
+
+    # -- reviews
+
+    def _review(self, method, review, body, caller):
+        kind, group, resource = review
+        if method != "POST":  # create-only resources
+            raise ApiError(405, "the server does not allow this method on the requested resource")
+        standin = self.server.standin
+        standin._authorize(caller, "create", resource, group, None)
+        # Without kind and apiVersion the body is read as the path's type, as the real server does.
+        if not isinstance(body, dict) or (body.get("kind", kind), body.get("apiVersion", f"{group}/v1")) != (
+                kind, f"{group}/v1"):
+            raise ApiError(400, f"the body must be a {group}/v1 {kind}")
+        if kind == "SubjectAccessReview" and body.get("metadata") not in (None, {}):
+            raise ApiError(422, f'{kind}.{group} "" is invalid: metadata: Invalid value: '
+                                f'{json.dumps(body["metadata"])}: must be empty', "Invalid")
+        spec = body.get("spec") if isinstance(body.get("spec"), dict) else {}
+        status = standin._token_review(spec) if kind == "TokenReview" else standin._access_review(spec)
+        # The real server answers with the object it was given (token included) and its status.
+        self._send_json(201, {"kind": kind, "apiVersion": f"{group}/v1", "metadata": {"creationTimestamp": None},
+                              "spec": spec, "status": status})
 
     # -- collections
 
@@ -503,16 +579,24 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class KubeStandIn:
-    """A core/v1 ConfigMap + Pod API server for tests.  See the module docstring."""
+    """A core/v1 ConfigMap + Pod API server with token and access reviews for tests.  See the module docstring."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, history: int = 1000):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, history: int = 1000, rbac: bool = False):
         self._address = (host, port)
         self._state = _State(history)
         self._watchers = 0  # open watch streams, guarded by _state.cond
-        self._lock = threading.Lock()  # requests log, failure injections, open connections
+        self._lock = threading.Condition()  # requests log, failure injections, open connections, auth, holds
         self._requests: list[tuple[str, str]] = []
         self._failures: list[list] = []  # [method, compiled regex, status, remaining]
+        self._holds: list[list] = []  # [method, compiled regex, remaining]
+        self._held = 0  # requests being held now
+        self._released = 0  # release() calls: a held request goes on once this moves
+        self._stops = 0  # stop() calls: a held request ends unanswered once this moves
         self._connections: set[socket.socket] = set()
+        self._tokens: dict[str, dict] = {}  # bearer token -> user (username, uid, groups, extra), audiences, error
+        self._rules: list[Rule] = []
+        self.rbac = rbac  # False: AlwaysAllow
+        self.audiences = list(AUDIENCES)
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -542,6 +626,8 @@ class KubeStandIn:
         self._httpd.shutdown()
         # Idle keep-alive connections would otherwise keep their handler threads blocked on read.
         with self._lock:
+            self._stops += 1  # held requests end without an answer
+            self._lock.notify_all()
             for conn in list(self._connections):
                 try:
                     conn.shutdown(socket.SHUT_RDWR)
@@ -565,14 +651,136 @@ class KubeStandIn:
     def url(self) -> str:
         return f"http://{self._address[0]}:{self.port}"
 
-    def client(self):
-        """A CoreV1Api talking to this server without auth (imported lazily: the server is stdlib only)."""
+    def api_client(self, token: str = ""):
+        """The official client's ApiClient for this server, as anonymous or with a bearer token
+        (imported lazily: the server is stdlib only)."""
         from kubernetes import client as k8s
 
         config = k8s.Configuration()
         config.host = self.url
         config.proxy = None  # never route loopback through a proxy from the environment
-        return k8s.CoreV1Api(k8s.ApiClient(config))
+        if token:
+            config.api_key = {"authorization": token}
+            config.api_key_prefix = {"authorization": "Bearer"}
+        return k8s.ApiClient(config)
+
+    def client(self, token: str = "", api: str = "CoreV1Api"):
+        """One of the client's API classes (by name) talking to this server."""
+        from kubernetes import client as k8s
+
+        return getattr(k8s, api)(self.api_client(token))
+
+    def write_kubeconfig(self, path, token: str = "") -> str:
+        """A kubeconfig naming this server (and the caller's bearer token) at `path`; returns the path."""
+        user = {"token": token} if token else {}
+        Path(path).write_text(json.dumps({  # JSON is YAML
+            "apiVersion": "v1", "kind": "Config", "current-context": "test",
+            "clusters": [{"name": "test", "cluster": {"server": self.url}}],
+            "users": [{"name": "test", "user": user}],
+            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}]}))
+        return str(path)
+
+    # -- who is who (authentication) and who may do what (RBAC)
+
+    def add_token(self, token: str, username: str, groups=(), uid: str = "", extra: dict | None = None,
+                  audiences=None) -> None:
+        """A bearer token the server knows (a ServiceAccount's, a user's) and the user it stands for;
+        valid for `audiences` (default: the server's own)."""
+        user = {"username": username, "uid": uid or str(uuid.uuid4()),
+                "groups": [*groups, *(["system:authenticated"] if "system:authenticated" not in groups else [])]}
+        if extra:
+            user["extra"] = {k: list(v) for k, v in extra.items()}
+        with self._lock:
+            self._tokens[token] = {"user": user, "audiences": list(audiences or self.audiences), "error": ""}
+
+    def add_service_account_token(self, token: str, namespace: str, name: str) -> str:
+        """A ServiceAccount's token, named and grouped as the API server names them; returns the user name."""
+        username = f"system:serviceaccount:{namespace}:{name}"
+        self.add_token(token, username, groups=("system:serviceaccounts", f"system:serviceaccounts:{namespace}"))
+        return username
+
+    def expire_token(self, token: str) -> None:
+        """The token fails validation from now on (expired): every request with it is a 401, and a
+        TokenReview of it says why in `status.error`."""
+        with self._lock:
+            self._tokens[token]["error"] = "[invalid bearer token, service account token has expired]"
+
+    def allow(self, *, user: str = "", group: str = "", verbs=("get",), paths=(), resources=()) -> None:
+        """Grant `verbs` on non-resource `paths` or on `resources` to one user or group (a ClusterRole
+        and its ClusterRoleBinding)."""
+        assert bool(user) != bool(group), "one user or one group"
+        with self._lock:
+            name = f"stand-in-{len(self._rules)}"
+            self._rules.append(Rule(name, ("User", user) if user else ("Group", group), tuple(verbs),
+                                    tuple(paths), tuple(resources)))
+
+    def _user_of(self, token: str) -> dict | None:
+        with self._lock:
+            known = self._tokens.get(token)
+        return None if known is None or known["error"] else known["user"]
+
+    def _authenticate(self, authorization: str) -> dict:
+        """The caller; a 401 for a token the server does not accept (anonymous without one)."""
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return ANONYMOUS
+        user = self._user_of(token.strip())
+        if user is None:
+            raise ApiError(401, "Unauthorized")
+        return user
+
+    def _grant(self, user: dict, verb: str, path: str | None = None, resource: str | None = None) -> Rule | None:
+        with self._lock:
+            return next((rule for rule in self._rules if rule.grants(user, verb, path, resource)), None)
+
+    def _authorize(self, user: dict, verb: str, resource: str, group: str, namespace: str | None) -> None:
+        if not self.rbac or self._grant(user, verb, resource=f"{resource}.{group}" if group else resource):
+            return
+        named = f"{resource}.{group}" if group else resource
+        where = f'in the namespace "{namespace}"' if namespace else "at the cluster scope"
+        raise ApiError(403, f'{named} is forbidden: User "{user["username"]}" cannot {verb} resource "{resource}" '
+                            f'in API group "{group}" {where}')
+
+    def _token_review(self, spec: dict) -> dict:
+        token = spec.get("token") or ""
+        if not token:
+            raise ApiError(400, "token is required for TokenReview in authentication")
+        with self._lock:
+            known = copy.deepcopy(self._tokens.get(token))
+        if known is None:  # not a token any authenticator recognises: no error, only not authenticated
+            return {"user": {}}
+        if known["error"]:
+            return {"user": {}, "error": known["error"]}
+        wanted = spec.get("audiences") or self.audiences
+        audiences = [audience for audience in known["audiences"] if audience in wanted]
+        if not audiences:
+            return {"user": {}, "error": f"[invalid bearer token, token audiences {json.dumps(known['audiences'])} is "
+                                         f"invalid for the target audiences {json.dumps(wanted)}]"}
+        return {"authenticated": True, "user": known["user"], "audiences": audiences}
+
+    def _access_review(self, spec: dict) -> dict:
+        resource, non_resource = spec.get("resourceAttributes"), spec.get("nonResourceAttributes")
+        problems = []
+        if (resource is None) == (non_resource is None):
+            problems.append("spec.resourceAttributes: Invalid value: exactly one of nonResourceAttributes or "
+                            "resourceAttributes must be specified")
+        if not spec.get("user") and not spec.get("groups"):
+            problems.append('spec.user: Invalid value: "": at least one of user or group must be specified')
+        if problems:
+            raise ApiError(422, f'SubjectAccessReview.authorization.k8s.io "" is invalid: {", ".join(problems)}',
+                           "Invalid")
+        user = {"username": spec.get("user") or "", "groups": spec.get("groups") or []}
+        if non_resource is not None:
+            rule = self._grant(user, non_resource.get("verb") or "", path=non_resource.get("path") or "")
+        else:
+            group = resource.get("group") or ""
+            rule = self._grant(user, resource.get("verb") or "",
+                               resource=f"{resource.get('resource')}.{group}" if group else resource.get("resource"))
+        if rule is None:
+            return {"allowed": False}  # RBAC has no opinion: no reason
+        kind, name = rule.subject
+        return {"allowed": True, "reason": f'RBAC: allowed by ClusterRoleBinding "{rule.name}" of ClusterRole '
+                                           f'"{rule.name}" to {kind} "{name}"'}
 
     # -- direct state access (same versioning and watch fan-out as the HTTP API)
 
@@ -621,6 +829,39 @@ class KubeStandIn:
         """
         with self._lock:
             self._failures.append([method.upper(), re.compile(path_regex), status, times])
+
+    def hang(self, method: str, path_regex: str, times: int = 1) -> None:
+        """Hold the next `times` requests matching method and path (with query, re.search) without an
+        answer until `release()` (or `stop()`, which closes them unanswered): an API server that hangs."""
+        with self._lock:
+            self._holds.append([method.upper(), re.compile(path_regex), times])
+
+    @property
+    def held(self) -> int:
+        """Requests being held now."""
+        with self._lock:
+            return self._held
+
+    def release(self) -> None:
+        """Let every held request go on; further `hang` rules still hold."""
+        with self._lock:
+            self._holds.clear()
+            self._released += 1
+            self._lock.notify_all()
+
+    def _hold(self, method: str, path: str) -> bool:
+        """Hold a request a `hang` rule matches; False when the server stopped meanwhile."""
+        with self._lock:
+            rule = next((r for r in self._holds if r[0] == method and r[1].search(path)), None)
+            if rule is None:
+                return True
+            rule[2] -= 1
+            if rule[2] <= 0:
+                self._holds.remove(rule)
+            released, stops, self._held = self._released, self._stops, self._held + 1
+            self._lock.wait_for(lambda: self._stops != stops or self._released != released)
+            self._held -= 1
+            return self._stops == stops
 
     def _take_failure(self, method: str, path: str) -> int | None:
         with self._lock:
