@@ -94,7 +94,7 @@ def cmd_check_config(args) -> int:
 
     problems: list[str] = []
     try:
-        config = load_config(args.file, environ={})
+        config = load_config(args.file, environ={}, hosts=False)  # a `${NAME}` host is known only where it runs
     except ConfigError as exc:
         problems = exc.problems
     else:

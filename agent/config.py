@@ -106,7 +106,9 @@ class LogConfig:
 
 @dataclass
 class HttpConfig:
-    listen: str = key("0.0.0.0:9410", "where `/metrics`, `/healthz` and `/readyz` are served", shape="host_port")
+    listen: str = key("0.0.0.0:9410", "where `/metrics`, `/healthz` and `/readyz` are served; the host may be "
+                      "`${NAME}`, an environment variable's value (the chart's `${POD_IP}` under `hostNetwork`)",
+                      shape="host_port")
     token_auth: bool = key(False, "`/metrics` only for a bearer token the API server accepts (TokenReview) whose user "
                            "may `get` the non-resource URL `/metrics` (SubjectAccessReview), as the kubelet checks "
                            "its scrapers; `/healthz` and `/readyz` stay open. The agent's service account needs "
@@ -131,7 +133,7 @@ class TlsConfig:
 @dataclass
 class GrpcConfig:
     listen: str = key("0.0.0.0:9411", "where the fault stream (`npuagent.v1.NodeFaults`), gRPC health and "
-                      "reflection are served", shape="host_port")
+                      "reflection are served; the host may be `${NAME}`, as in `http.listen`", shape="host_port")
 
 
 @dataclass
@@ -315,20 +317,21 @@ class Config:
     telemetry: TelemetryConfig = section(TelemetryConfig)
 
 
-def load_config(path: str | None, environ: typing.Mapping[str, str] | None = None) -> Config:
-    """Read, override from the environment, and validate; raises ConfigError listing every problem."""
+def load_config(path: str | None, environ: typing.Mapping[str, str] | None = None, hosts: bool = True) -> Config:
+    """Read, override from the environment, and validate; raises ConfigError listing every problem.
+    `hosts`: take `${NAME}` hosts from the environment (check-config leaves them to the start)."""
     environ = os.environ if environ is None else environ
     document = (load_yaml(read_config_file(path), path) or {}) if path else {}
-    return config_from_dict(document, environ)
+    return config_from_dict(document, environ, hosts)
 
 
-def config_from_dict(document: object, environ: typing.Mapping[str, str] | None = None) -> Config:
+def config_from_dict(document: object, environ: typing.Mapping[str, str] | None = None, hosts: bool = True) -> Config:
     """The same as `load_config` for an in-memory document (used by `demo` and tests)."""
     problems: list[str] = []
     config = _build(Config, document, "", problems)
     if problems:
         raise ConfigError(problems)
-    problems = _apply_environment(config, {} if environ is None else environ) + validate(config)
+    problems = _apply_environment(config, {} if environ is None else environ, hosts) + validate(config)
     if problems:
         raise ConfigError(problems)
     return config
@@ -419,25 +422,49 @@ def load_yaml(text: str, path: str) -> object:
     raise ConfigError([f"{path}: invalid YAML{where}: {reason}"])
 
 
-def _apply_environment(config: Config, environ: typing.Mapping[str, str]) -> list[str]:
+def _apply_environment(config: Config, environ: typing.Mapping[str, str], hosts: bool = True) -> list[str]:
     if not config.node_name:
         # Kubernetes names a node after its host name in lower case.
         config.node_name = environ.get("NODE_NAME") or socket.gethostname().lower()
+    problems = _expand_hosts(config, environ) if hosts else []
     server_ip = environ.get("MINDX_SERVER_IP", "").strip()
     if not server_ip or not config.clusterd.enabled:
-        return []
+        return problems
     try:
         host = ipaddress.ip_address(server_ip.removeprefix("[").removesuffix("]"))
     except ValueError:
         if not _DNS_NAME.fullmatch(server_ip):
-            return [f"MINDX_SERVER_IP: {quote(server_ip)} is not an IP address or host name"]
+            return [*problems, f"MINDX_SERVER_IP: {quote(server_ip)} is not an IP address or host name"]
         host = server_ip
     try:
         _, port = split_host_port(config.clusterd.address)
     except ValueError:
-        return []  # validate() names clusterd.address
+        return problems  # validate() names clusterd.address
     config.clusterd.address = f"[{host}]:{port}" if isinstance(host, ipaddress.IPv6Address) else f"{host}:{port}"
-    return []
+    return problems
+
+
+_HOST_VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)\}:(?P<port>[^:]*)")
+
+
+def _expand_hosts(settings: object, environ: typing.Mapping[str, str], prefix: str = "") -> list[str]:
+    """`${NAME}:PORT` in a HOST:PORT key: the host from the environment (e.g. the pod's IP, which the
+    downward API gives only as a variable), an IPv6 address bracketed."""
+    problems = []
+    for item in dataclasses.fields(settings):
+        value, path = getattr(settings, item.name), f"{prefix}{item.name}"
+        if dataclasses.is_dataclass(value):
+            problems += _expand_hosts(value, environ, f"{path}.")
+        elif item.metadata.get("key") and item.metadata["key"].shape == "host_port":
+            if not (match := _HOST_VARIABLE.fullmatch(value)):
+                continue
+            host = environ.get(match["name"], "").strip()
+            if not host:
+                problems.append(f"{path}: {quote(value)}: {match['name']} is not set in the environment")
+                continue
+            bracketed = ":" in host and not host.startswith("[")
+            setattr(settings, item.name, f"[{host}]:{match['port']}" if bracketed else f"{host}:{match['port']}")
+    return problems
 
 
 def _build(cls: type, document: object, prefix: str, problems: list[str]):

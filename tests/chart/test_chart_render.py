@@ -38,7 +38,10 @@ def test_the_agent_accepts_the_rendered_files(helm, values, tmp_path):
     # The paths the chart points at are where the files ConfigMap is mounted; read them here.
     text = text.replace("/etc/npu-node-agent-files", str(tmp_path))
     (tmp_path / "config.yaml").write_text(text)
-    config = load_config(str(tmp_path / "config.yaml"), environ={"NODE_NAME": "npu-node-7"})
+    # The environment the pod gives the agent: what its downward API fields would hold.
+    given = {e["name"] for e in rendered.one("DaemonSet")["spec"]["template"]["spec"]["containers"][0]["env"]}
+    environ = {"NODE_NAME": "npu-node-7", **({"POD_IP": "10.0.0.7"} if "POD_IP" in given else {})}
+    config = load_config(str(tmp_path / "config.yaml"), environ=environ)
     assert config.node_name == "npu-node-7"
     if config.faults.fault_code_file:
         load_fault_code_table(config.faults.fault_code_file)
@@ -46,6 +49,20 @@ def test_the_agent_accepts_the_rendered_files(helm, values, tmp_path):
         load_customization(config.faults.customization_file)
     if config.devices.simulated.scenario:
         load_scenario(config.devices.simulated.scenario, config.devices.simulated.devices)
+
+
+@pytest.mark.parametrize("sets, host", [((), "0.0.0.0"), (("hostNetwork=true",), "${POD_IP}"),
+                                        (("hostNetwork=true", "listenOn=all"), "0.0.0.0"), (("listenOn=podIP",), "${POD_IP}")])
+def test_the_ports_are_bound_where_listen_on_says(helm, sets, host):
+    """Under hostNetwork the agent binds the pod's IP (the node's primary address), not every network of the node."""
+    rendered = helm.render(None, *sets)
+    config = rendered.agent_config
+    assert (config["http"]["listen"], config["grpc"]["listen"]) == (f"{host}:9410", f"{host}:9411")
+    env = {e["name"]: e for e in rendered.one("DaemonSet")["spec"]["template"]["spec"]["containers"][0]["env"]}
+    if host == "${POD_IP}":
+        assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    else:
+        assert "POD_IP" not in env
 
 
 def test_config_follows_values(helm):

@@ -154,3 +154,14 @@ def test_a_key_is_added_by_declaring_it_once():
     jsonschema.validate(values, {**schema, "definitions": definitions})  # the defaults pass the schema
     with pytest.raises(jsonschema.ValidationError, match="17 is greater than the maximum of 16"):
         jsonschema.validate({**values, "extra": {"burst": 17}}, {**schema, "definitions": definitions})
+
+
+@pytest.mark.parametrize("value, address", [("10.0.0.5", "10.0.0.5:9410"), ("fd00::5", "[fd00::5]:9410"),
+                                            ("[fd00::5]", "[fd00::5]:9410")])
+def test_a_listen_host_may_come_from_the_environment(value, address):
+    config = config_from_dict({"http": {"listen": "${POD_IP}:9410"}, "grpc": {"listen": "${POD_IP}:9411"}},
+                              environ={"NODE_NAME": "n", "POD_IP": value})
+    assert config.http.listen == address and config.grpc.listen == address.replace("9410", "9411")
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"http": {"listen": "${POD_IP}:9410"}}, environ={"NODE_NAME": "n"})
+    assert info.value.problems == ["http.listen: '${POD_IP}:9410': POD_IP is not set in the environment"]

@@ -118,12 +118,18 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 
+{{/* "true" when the ports are bound to the pod's IP (listenOn): the agent takes it from $POD_IP. */}}
+{{- define "npu-node-agent.listenOnPodIP" -}}
+{{- or (eq .Values.listenOn "podIP") (and (eq .Values.listenOn "auto") .Values.hostNetwork) -}}
+{{- end -}}
+
 {{/* The agent's config.yaml: the values' `agent` section, plus the keys the chart owns. */}}
 {{- define "npu-node-agent.agentConfig" -}}
 {{- $cfg := deepCopy .Values.agent -}}
+{{- $host := ternary "${POD_IP}" "0.0.0.0" (eq (include "npu-node-agent.listenOnPodIP" .) "true") -}}
 {{- range $section, $port := dict "http" .Values.ports.http "grpc" .Values.ports.grpc -}}
 {{- $keys := get $cfg $section | default dict -}}
-{{- $_ := set $keys "listen" (printf "0.0.0.0:%d" (int $port)) -}}
+{{- $_ := set $keys "listen" (printf "%s:%d" $host (int $port)) -}}
 {{- $_ = set $cfg $section $keys -}}
 {{- end -}}
 {{- $dir := include "npu-node-agent.filesDir" . -}}
