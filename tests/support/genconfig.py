@@ -26,8 +26,7 @@ VALUES = CHART / "values.yaml"
 SCHEMA = CHART / "values.schema.json"
 CHART_README = CHART / "README.md"
 
-TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean"}
-SCHEMA_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
+TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean"}  # YAML's, and JSON Schema's
 SHAPE_SCHEMAS = {"host_port": {"$ref": "#/definitions/hostPort"}, "absolute_path": {"$ref": "#/definitions/absolutePath"},
                  "absolute_path_or_empty": {"type": "string", "pattern": "^(/.*)?$"},
                  "not_empty": {"type": "string", "minLength": 1},
@@ -159,7 +158,7 @@ def _key_schema(hint, declared: Key) -> dict:
                 "properties": {k: {"type": ["string", "null"], "pattern": f"^{pattern}$"} for k in names}}
     if declared.shape:
         return dict(SHAPE_SCHEMAS[declared.shape])
-    described: dict = {"type": SCHEMA_TYPES[hint]}
+    described: dict = {"type": TYPE_NAMES[hint]}
     if declared.choices:
         described["enum"] = list(declared.choices)
     if declared.between:

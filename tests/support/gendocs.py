@@ -19,7 +19,6 @@ from pathlib import Path
 
 import agent
 from tests.support import genconfig
-from tests.support.genconfig import CONFIGURATION, config_keys, environment_variables, meanings  # noqa: F401
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 METRICS = DOCS / "metrics.md"

@@ -4,7 +4,7 @@ from the code by tests/support/gendocs.py (`python -m tests.support.gendocs` rew
 from __future__ import annotations
 
 from testkit import REPO
-from tests.support import gendocs
+from tests.support import genconfig, gendocs
 
 
 def test_the_tables_of_the_docs_are_up_to_date():
@@ -14,14 +14,14 @@ def test_the_tables_of_the_docs_are_up_to_date():
 
 
 def test_every_configuration_key_has_a_meaning():
-    written = gendocs.meanings(gendocs.CONFIGURATION.read_text(encoding="utf-8"))
-    assert [key for key, _, _ in gendocs.config_keys() if not written.get(key)] == []
+    written = genconfig.meanings(genconfig.CONFIGURATION.read_text(encoding="utf-8"))
+    assert [key for key, _, _ in genconfig.config_keys() if not written.get(key)] == []
 
 
 def test_the_environment_the_configuration_reads_is_documented():
-    variables = gendocs.environment_variables()
+    variables = genconfig.environment_variables()
     assert {"NODE_NAME", "MINDX_SERVER_IP"} <= set(variables)
-    text = gendocs.CONFIGURATION.read_text(encoding="utf-8")
+    text = genconfig.CONFIGURATION.read_text(encoding="utf-8")
     assert [v for v in variables if f"| `{v}` |" not in text] == []
 
 
