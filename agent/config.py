@@ -209,6 +209,13 @@ class KubernetesConfig:
     device_info_configmap: bool = key(False, "write `kube-system/mindx-dl-deviceinfo-<node>` as the device plugin "
                                       "does; only where the device plugin does not (both would overwrite each "
                                       "other)", needs="kubernetes.enabled")
+    node_condition: bool = key(False, "keep an `NPUProblem` condition on this node's Node object (`kubectl describe "
+                               "node`): the worst fault level as its reason, the faulty NPUs with their codes and pods "
+                               "as its message, its heartbeat refreshed; false removes a condition left by an earlier "
+                               "run. Patches `nodes/status`", needs="kubernetes.enabled")
+    events: bool = key(False, "post Kubernetes Events when an NPU's fault occurs, recovers or is escalated, on the "
+                       "Node and on the pod holding the NPU (`kubectl get events`), aggregated and rate-limited "
+                       "so that a flapping NPU cannot flood the API server", needs="kubernetes.enabled")
     watch_timeout_seconds: int = key(300, "the server ends each list/watch after this and the agent resumes it",
                                      between=(1, 3600))
     pod_resources_socket: str = key("/var/lib/kubelet/pod-resources/kubelet.sock",
