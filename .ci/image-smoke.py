@@ -66,6 +66,16 @@ def elf_machine(data: bytes) -> int:
 
 # -- the chart's pod, run by podman ---------------------------------------------------------------
 
+# The pod and container fields this runner models, or that change nothing here (scheduling, the
+# service account when no token is mounted, the DNS policy: the smoke pod resolves no name); any
+# other one fails the run.
+POD_FIELDS = {"serviceAccountName", "automountServiceAccountToken", "priorityClassName", "terminationGracePeriodSeconds",
+              "hostNetwork", "hostPID", "dnsPolicy", "securityContext", "imagePullSecrets", "nodeSelector",
+              "tolerations", "affinity", "initContainers", "containers", "volumes"}
+CONTAINER_FIELDS = {"name", "image", "imagePullPolicy", "command", "args", "env", "ports", "livenessProbe",
+                    "readinessProbe", "resources", "securityContext", "volumeMounts"}
+
+
 class Pod:
     def __init__(self, docs: list[dict], work: Path, image: str):
         self.work = work
@@ -73,6 +83,11 @@ class Pod:
         [ds] = [d for d in docs if d and d.get("kind") == "DaemonSet"]
         self.name = ds["metadata"]["name"]
         self.spec = ds["spec"]["template"]["spec"]
+        if set(self.spec) - POD_FIELDS:
+            raise self.unsupported(f"pod fields {sorted(set(self.spec) - POD_FIELDS)}")
+        for c in self.spec.get("initContainers", []) + self.spec["containers"]:
+            if set(c) - CONTAINER_FIELDS:
+                raise self.unsupported(f"container {c['name']} fields {sorted(set(c) - CONTAINER_FIELDS)}")
         self.config_maps = {d["metadata"]["name"]: d for d in docs if d and d.get("kind") == "ConfigMap"}
         self.host_root = work / "host"
         self.mounts = self._volumes()
@@ -118,11 +133,14 @@ class Pod:
         if self.spec.get("automountServiceAccountToken", True):
             raise self.unsupported("a service account token")
         pod_sc = self.spec.get("securityContext") or {}
-        if set(pod_sc) - {"seccompProfile", "runAsUser", "runAsGroup", "runAsNonRoot"}:
+        if set(pod_sc) - {"seccompProfile", "runAsUser", "runAsGroup", "runAsNonRoot", "supplementalGroups"}:
             raise self.unsupported(f"pod securityContext {pod_sc}")
         if (pod_sc.get("seccompProfile") or {}).get("type", "RuntimeDefault") != "RuntimeDefault":
             raise self.unsupported(f"seccompProfile {pod_sc['seccompProfile']}")
-        sc = {**{k: v for k, v in pod_sc.items() if k != "seccompProfile"}, **(c.get("securityContext") or {})}
+        # The kubelet adds the pod's supplementalGroups to every container's process.
+        args += [f"--group-add={g}" for g in pod_sc.get("supplementalGroups", [])]
+        pod_only = ("seccompProfile", "supplementalGroups")
+        sc = {**{k: v for k, v in pod_sc.items() if k not in pod_only}, **(c.get("securityContext") or {})}
         known = {"runAsUser", "runAsGroup", "runAsNonRoot", "readOnlyRootFilesystem", "allowPrivilegeEscalation",
                  "capabilities", "privileged"}
         if set(sc) - known:

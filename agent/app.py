@@ -16,7 +16,9 @@ driver or file system) it keeps apart so that its other calls go on:
 - rule-files, datatrace: 1, 0 (while a read or a pass is stuck, the next is refused at once: the
   task retries with backoff, and /readyz says why);
 - kube: one per watch (a watch holds its thread for up to watch_timeout_seconds) + 2 for lists
-  and the device-info ConfigMap;
+  and the device-info ConfigMap, + 1 each for the node condition (or, with it off, the removal of an
+  earlier run's) and the Events (each writes one call at a time, so a hung API server holding one
+  never takes the ConfigMap's turn);
 - kube-reviews: 2, 0 (the TokenReviews and SubjectAccessReviews of /metrics scrapers, with
   http.token_auth: apart, so that reviews a hung API server holds never take the ConfigMap's turn,
   and a review that waited its time-out for a turn is dropped unrun);
@@ -64,6 +66,7 @@ from agent.lifecycle import STOP_BUDGET_S, LifecycleCollector, Readiness, Superv
 from agent.metrics import BuildInfoCollector, make_registry
 from agent.model import PodsOf, Sink, no_pods
 from agent.sinks.metrics import SinkCollector
+from agent.status import StatusPage
 
 if TYPE_CHECKING:  # imported only when enabled (agent.ondemand): an agent without them never loads them
     from agent.diskguard.guard import DiskGuard
@@ -172,7 +175,9 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     wants_jobs = kube.enabled and (config.profiling.metrics or config.taskd_proxy.enabled)
     configmap_watches = len(config.datatrace.namespaces) or 1 if config.datatrace.enabled else 0
     watches = int(wants_jobs or config.datatrace.enabled) + configmap_watches  # pods, configmaps
-    kube_lane = executor.lane("kube", watches + 2)
+    # One call at a time each: the node condition, or with it off the removal of an earlier run's; the Events.
+    writers = int(kube.enabled) + int(kube.enabled and kube.events)
+    kube_lane = executor.lane("kube", watches + 2 + writers)
 
     # The fault pipeline: durable log -> hub (current state, stream fan-out) -> sinks.
     # The sinks that keep a cursor in the log (by their names there); a cursor of another sink retires.
@@ -203,6 +208,27 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
         from agent.sinks.configmap.sink import DeviceInfoConfigMapSink
 
         sinks.append(DeviceInfoConfigMapSink(node, hub, lambda: hub.chip_name, kube=kube_lane, clock=clock))
+    removal = []  # with the node condition off, a condition an earlier run left is removed once at start
+    if kube.enabled and kube.node_condition:
+        from agent.sinks.nodecondition.metrics import NodeConditionCollector
+        from agent.sinks.nodecondition.sink import NodeConditionSink
+
+        # The monitor is built below (the lambdas read it once it runs).
+        condition = NodeConditionSink(node, hub, pods_of, polled=lambda: hub.current, kube=kube_lane, clock=clock,
+                                      driver_problem=lambda: monitor.driver_problem)
+        sinks.append(condition)
+        collectors.append(NodeConditionCollector(node, condition))
+    elif kube.enabled:
+        from agent.sinks.nodecondition.sink import StaleConditionRemoval
+
+        removal.append(StaleConditionRemoval(node, kube=kube_lane))
+    if kube.enabled and kube.events:
+        from agent.sinks.events.metrics import KubeEventsCollector
+        from agent.sinks.events.sink import KubeEventsSink
+
+        events = KubeEventsSink(node, hub, pods_of, kube=kube_lane, clock=clock)
+        sinks.append(events)
+        collectors.append(KubeEventsCollector(node, events))
 
     listeners = [*([attribution.refresh_soon] if attribution else []), *(sink.notify for sink in sinks)]
     faults = FaultService(config.faults, config.state_dir, fault_log, hub, files=executor.lane("rule-files"),
@@ -217,7 +243,8 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
 
         tls = TlsFiles(config.tls, lane=executor.lane("tls", 1))  # ConfigError unless the files load
         collectors.append(TlsCollector(node, tls))
-    servers = [GrpcServer(config.grpc.listen, hub, pods_of, credentials=tls.grpc_credentials if tls else None)]
+    servers = [GrpcServer(config.grpc.listen, hub, pods_of, credentials=tls.grpc_credentials if tls else None,
+                          devices=monitor)]
 
     telemetry = None
     if config.telemetry.enabled:
@@ -309,7 +336,7 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     # servers, so /readyz and the stream answer while the driver is still being opened; sinks before
     # the sources that feed them; the pod watch before the profiling parts that read it.
     first = [*([tls] if tls else []), *([attribution] if attribution else [])]
-    rest = [*servers, *sinks, faults, monitor, *([telemetry] if telemetry else []),
+    rest = [*servers, *sinks, *removal, faults, monitor, *([telemetry] if telemetry else []),
             *([node_pods] if node_pods and node_pods.subscribed else []), *profiling]
     readiness = Readiness([*first, *rest])  # the endpoint that answers /readyz is ready by answering
     # Each subsystem's families (the telemetry, profiling, datatrace and proxy ones are above).
@@ -327,8 +354,10 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
         if not config.tls.cert_file:
             log.warning("http.token_auth without tls.cert_file: scrapers send their tokens in plaintext")
         collectors.append(TokenAuthCollector(node, auth))
+    # The status page at / reads what the collectors read, on the loop (agent.status).
+    page = StatusPage(node, hub, monitor, sinks, readiness.states, pods_of, backend=config.devices.backend, clock=clock)
     http = HttpEndpoint(config.http.listen, make_registry(*collectors), readiness.check, lane=executor.lane("metrics"),
-                        tls=tls.server_context if tls else None, auth=auth)
+                        tls=tls.server_context if tls else None, auth=auth, page=page)
     supervisor = Supervisor([*first, http, *rest])
     return App(config, executor, supervisor, readiness, hub, fault_log, faults, monitor, http, servers[0], pods_of,
                followers, telemetry)

@@ -10,6 +10,8 @@ unknown key is an error that names its full path, so a typo never silently falls
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import ipaddress
 import math
 import os
@@ -177,6 +179,19 @@ class FaultsConfig:
                                   "as in the device plugin", choices=("", *FAULT_LEVELS), check=_level_or_empty)
 
 
+def resource_names(text: str) -> list[str]:
+    """`clusterd.resources` as a list (empty: none)."""
+    return [name.strip() for name in text.split(",")] if text.strip() else []
+
+
+def _resource_names(text: str) -> None:
+    names = resource_names(text)
+    if any(not name for name in names):
+        raise ValueError(f"{quote(text)} has an empty resource name")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{quote(text)} lists a resource twice")
+
+
 DEFAULT_PUBLIC_CODES = {
     "SubHealthFault": "010011001", "PreSeparateNPU": "010011002", "RestartRequest": "020011002",
     "RestartBusiness": "020011002", "FreeRestartNPU": "020011002", "RestartNPU": "020011002",
@@ -194,11 +209,26 @@ class ClusterdConfig:
     public_codes: dict[str, str] = key(
         DEFAULT_PUBLIC_CODES, "the public fault code sent for a device at each level; a level left out is not sent",
         mapping=(FAULT_LEVELS, r"[0-9]{9}", "a 9-digit public fault code"))
+    resources: str = key("", "resources to spread the cluster's nodes over, comma-separated: each node always "
+                         "sends under the same one (a stable hash of its node name); every one multiplies ClusterD's "
+                         "budget (1 request/s per resource) and must be listed in ClusterD's configuration; empty: "
+                         "`resource` only", check=lambda text: _resource_names(text),
+                         accepts="resource names, comma-separated, each once")
     # One request per 100 faults (held, or recovered in the last 10 minutes), nothing from a node
     # without; ClusterD's budget of 1 request/s is shared by every node of the cluster.
     reconcile_interval_seconds: float = key(
-        1800.0, "how often the agent re-sends what ClusterD should hold (and the recent recovers it should not), "
-        "for a ClusterD that restarted without the agent noticing (behind a proxy)", between=(30, 86400))
+        1800.0, "the shortest period at which the agent re-sends what ClusterD should hold (and the recent "
+        "recovers it should not), for a ClusterD that restarted without the agent noticing (its saved faults lost, "
+        "or behind a proxy); longer when `cluster_nodes` needs it", between=(30, 86400))
+    cluster_nodes: int = key(256, "about how many nodes run the agent and send to ClusterD: the periodic "
+                             "re-sending is spread so that all of them together spend under 4 % of ClusterD's budget "
+                             "(a period of at least 25 s per node and resource), and up to 256 nodes keep their "
+                             "connection while they hold faults (to re-send at once when ClusterD restarts); set it "
+                             "on larger clusters, whose nodes then connect only to send", between=(1, 1000000))
+    idle_disconnect_seconds: float = key(
+        60.0, "how long the connection to ClusterD stays open after the last request (ClusterD admits 1,024 "
+        "connections for the whole cluster); with `cluster_nodes` up to 256, a node holding faults stays connected",
+        between=(10, 86400))
 
 
 @dataclass
@@ -210,12 +240,17 @@ class KubernetesConfig:
                                       "does; only where the device plugin does not (both would overwrite each "
                                       "other)", needs="kubernetes.enabled")
     node_condition: bool = key(False, "keep an `NPUProblem` condition on this node's Node object (`kubectl describe "
-                               "node`): the worst fault level as its reason, the faulty NPUs with their codes and pods "
-                               "as its message, its heartbeat refreshed; false removes a condition left by an earlier "
-                               "run. Patches `nodes/status`", needs="kubernetes.enabled")
+                               "node`): True when a fault interrupts the workload on a chip (level RestartRequest or "
+                               "above, or an NPU the driver calls unhealthy without a code), with the worst level as "
+                               "its reason and those NPUs with their codes and pods as its message; False otherwise "
+                               "(with lower-level codes only, their worst level as reason and the NPUs listed); "
+                               "Unknown while the driver cannot be read; written on change (at most once a second) and every 5 minutes. False "
+                               "removes a condition left by an earlier run. Patches `nodes/status`",
+                               needs="kubernetes.enabled")
     events: bool = key(False, "post Kubernetes Events when an NPU's fault occurs, recovers or is escalated, on the "
                        "Node and on the pod holding the NPU (`kubectl get events`), aggregated and rate-limited "
-                       "so that a flapping NPU cannot flood the API server", needs="kubernetes.enabled")
+                       "as client-go does (at most 25 writes per object, then one per 5 minutes), so that a "
+                       "flapping NPU cannot flood the API server", needs="kubernetes.enabled")
     watch_timeout_seconds: int = key(300, "the server ends each list/watch after this and the agent resumes it",
                                      between=(1, 3600))
     pod_resources_socket: str = key("/var/lib/kubelet/pod-resources/kubelet.sock",
@@ -334,11 +369,13 @@ def load_config(path: str | None, environ: typing.Mapping[str, str] | None = Non
 
 def config_from_dict(document: object, environ: typing.Mapping[str, str] | None = None, hosts: bool = True) -> Config:
     """The same as `load_config` for an in-memory document (used by `demo` and tests)."""
+    # One pass: a key of the wrong type is reported and keeps its default, and the checks of its value
+    # (and those that refer to it) are skipped; every other key is still checked, so all problems show at once.
     problems: list[str] = []
-    config = _build(Config, document, "", problems)
-    if problems:
-        raise ConfigError(problems)
-    problems = _apply_environment(config, {} if environ is None else environ, hosts) + validate(config)
+    wrong_type: set[str] = set()
+    config = _build(Config, document, "", problems, wrong_type)
+    problems += _apply_environment(config, {} if environ is None else environ, hosts)
+    problems += validate(config, wrong_type)
     if problems:
         raise ConfigError(problems)
     return config
@@ -474,10 +511,15 @@ def _expand_hosts(settings: object, environ: typing.Mapping[str, str], prefix: s
     return problems
 
 
-def _build(cls: type, document: object, prefix: str, problems: list[str]):
+def _build(cls: type, document: object, prefix: str, problems: list[str], wrong_type: set[str],
+           root: type | None = None):
+    """`cls` from `document`; each key of the wrong type (or section that is not a mapping) is a problem,
+    keeps its default and has its path added to `wrong_type`."""
+    root = root or cls
     where = prefix.rstrip(".") or "configuration"
     if not isinstance(document, dict):
         problems.append(f"{where}: expected a mapping, got {type(document).__name__}")
+        wrong_type.add(prefix.rstrip("."))
         return cls()
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
@@ -486,15 +528,61 @@ def _build(cls: type, document: object, prefix: str, problems: list[str]):
         path = f"{prefix}{key}"
         if key not in names:
             problems.append(f"{path}: unknown key (known: {', '.join(sorted(names))})")
+            if suggestion := _did_you_mean(root, prefix, key, value, names):  # its own line: the one above stays as it was
+                problems.append(f"{path}: {suggestion}")
             continue
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
-            values[key] = _build(hint, value, f"{path}.", problems)
+            values[key] = _build(hint, value, f"{path}.", problems, wrong_type, root)
         else:
             checked = _check_scalar(hint, value, path, problems)
             if checked is not None:
                 values[key] = checked
+            else:
+                wrong_type.add(path)
     return cls(**values)
+
+
+@functools.lru_cache(maxsize=8)
+def key_paths(cls: type, prefix: str = "") -> dict[str, bool]:
+    """Every section and key of `cls` by its dotted path: True for a section."""
+    paths: dict[str, bool] = {}
+    hints = typing.get_type_hints(cls)
+    for item in dataclasses.fields(cls):
+        section = dataclasses.is_dataclass(hints[item.name])
+        paths[f"{prefix}{item.name}"] = section
+        if section:
+            paths.update(key_paths(hints[item.name], f"{prefix}{item.name}."))
+    return paths
+
+
+def _did_you_mean(root: type, prefix: str, key: object, value: object, names: set[str]) -> str:
+    """For an unknown key: the key it was likely meant to be, in its section or anywhere (a key put in
+    the wrong section, a dotted path written flat, `log_level` for `log.level`); "" when none is close."""
+    if not isinstance(key, str) or len(key) > 200:
+        return ""
+    paths = key_paths(root)
+    if "." in key and f"{prefix}{key}" in paths:
+        first, *rest = f"{prefix}{key}".split(".")
+        nested = "..."
+        for name in reversed(rest):
+            nested = f"{{{name}: {nested}}}"
+        return f"a dotted key is not nested: write {first}: {nested}"
+    near = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.75)
+    if near:
+        return f"did you mean {prefix}{near[0]}?"
+    # Elsewhere: a section for a mapping, a key for anything else, by its name or its path with `_` for `.`.
+    fitting = [path for path, section in paths.items() if section == isinstance(value, dict)]
+    for spelling in (lambda path: path.rpartition(".")[2], lambda path: path.replace(".", "_")):
+        spelt: dict[str, list[str]] = {}
+        for path in fitting:
+            spelt.setdefault(spelling(path), []).append(path)
+        found = spelt.get(key) or [path for near in difflib.get_close_matches(key, sorted(spelt), n=1, cutoff=0.85)
+                                   for path in spelt[near]]
+        found = [path for path in found if path != f"{prefix}{key}"]
+        if found:  # more than three are a guess, not a suggestion
+            return f"did you mean {' or '.join(found)}?" if len(found) <= 3 else ""
+    return ""
 
 
 def _check_scalar(hint, value, path: str, problems: list[str]):
@@ -544,21 +632,33 @@ def split_host_port(text: str) -> tuple[str, int]:
     return match["host"].strip("[]"), int(match["port"])
 
 
-def validate(config: Config) -> list[str]:
-    """Every problem of `config` against its keys' declarations, one line each."""
-    return declared_problems(config, config)
+def validate(config: Config, wrong_type: typing.Collection[str] = ()) -> list[str]:
+    """Every problem of `config` against its keys' declarations, one line each; the keys in
+    `wrong_type` (already reported, left at their defaults) and the checks that refer to them are skipped."""
+    return declared_problems(config, config, skip=frozenset(wrong_type))
 
 
-def declared_problems(settings: object, root: object, prefix: str = "") -> list[str]:
+def declared_problems(settings: object, root: object, prefix: str = "", skip: frozenset[str] = frozenset()) -> list[str]:
     """The problems of each key of the dataclass `settings` (within `root`, where `needs` is looked up)."""
     problems: list[str] = []
     for item in dataclasses.fields(settings):
         value, path = getattr(settings, item.name), f"{prefix}{item.name}"
+        if path in skip:
+            continue
         if dataclasses.is_dataclass(value):
-            problems += declared_problems(value, root, f"{path}.")
+            problems += declared_problems(value, root, f"{path}.", skip)
         elif declared := item.metadata.get("key"):
+            if _refers_to(declared, prefix, skip):
+                continue
             problems += [f"{where}: {reason}" for where, reason in _problems(declared, value, path, settings, root)]
     return problems
+
+
+def _refers_to(declared: Key, prefix: str, skip: frozenset[str]) -> bool:
+    """Whether a cross-key rule of `declared` reads a key in `skip` (whose default would stand for the
+    value the file meant)."""
+    others = [declared.needs, f"{prefix}{declared.floor}" if declared.floor else ""]
+    return any(other and any(other == bad or other.startswith(f"{bad}.") for bad in skip) for other in others)
 
 
 def _problems(declared: Key, value, path: str, settings: object, root: object) -> list[tuple[str, str]]:

@@ -54,18 +54,20 @@ class GrpcServer:
     name = "grpc"
 
     def __init__(self, listen: str, hub: FaultHub, pods: PodsOf = no_pods,
-                 credentials: Callable[[], grpc.ServerCredentials] | None = None):
+                 credentials: Callable[[], grpc.ServerCredentials] | None = None,
+                 devices: stream.DeviceSource | None = None):
         self._listen = listen
         self._credentials = credentials  # TLS (agent.tls keeps the certificate current); None: plaintext
         self._hub = hub
         self._pods = pods
+        self._devices = devices  # the device monitor: what the stream says of the agent's view of its devices
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self.port = 0
 
     async def start(self) -> None:
         server = grpc.aio.server(options=SERVER_OPTIONS)
-        service = stream.add_to_server(server, self._hub, self._pods)
+        service = stream.add_to_server(server, self._hub, self._pods, self._devices)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         server.add_generic_rpc_handlers((LazyReflection(
             [service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, REFLECTION]),))

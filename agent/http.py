@@ -1,5 +1,5 @@
-"""The HTTP endpoint: GET /metrics (Prometheus text or OpenMetrics, gzip when asked), /healthz and /readyz, on the
-agent's event loop.
+"""The HTTP endpoint: GET /metrics (Prometheus text or OpenMetrics, gzip when asked), /healthz, /readyz and the
+status page / (agent.status), on the agent's event loop.
 
 A deliberately small HTTP/1.1 server (GET and HEAD, one request per connection). A scrape collects
 the components' state on the loop that changes it (no locks); formatting and compressing the page,
@@ -7,7 +7,10 @@ most of a scrape's cost, run in the executor's `metrics` lane, and requests that
 is being rendered get that page. Nothing a client does can hold the agent: connections are capped
 (the oldest idle or slowest ones make room), a request must arrive within the idle time-out, and an
 answer must be taken within the write time-out, a chunk at a time. With `http.token_auth`, /metrics
-answers only scrapers the API server vouches for (agent.tokenauth); /healthz and /readyz stay open.
+answers only scrapers the API server vouches for (agent.tokenauth); /healthz and /readyz stay open. The
+status page shows what /metrics and /readyz show, so it is guarded as /metrics: its SubjectAccessReview
+asks for `get /metrics` (as the kubelet maps its paths to what they expose), and whoever may scrape
+may read it, with no other grant.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from prometheus_client.exposition import choose_encoder
 from agent.common.executor import Executor, Lane
 from agent.config import split_host_port
 
-if TYPE_CHECKING:  # imported by agent.app only with http.token_auth
-    from agent.tokenauth import TokenAuth
+if TYPE_CHECKING:
+    from agent.status import StatusPage
+    from agent.tokenauth import TokenAuth  # imported by agent.app only with http.token_auth
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,8 @@ SEND_BUFFER = 128 * 1024
 LIMIT_LOG_INTERVAL_S = 60.0
 
 CHALLENGE = 'WWW-Authenticate: Bearer realm="npu-node-agent"\r\n'  # with a 401 (http.token_auth)
+# The paths http.token_auth guards, and the non-resource URL each one's SubjectAccessReview asks for.
+AUTHORIZED_AS = {"/metrics": "/metrics", "/": "/metrics"}
 
 IDLE, BUSY, STALLED = "idle", "busy", "stalled"  # no request yet / being answered / the answer waits on its reader
 
@@ -57,10 +63,11 @@ class HttpEndpoint:
                  liveness: Callable[[], tuple[bool, str]] = lambda: (True, ""), lane: Lane | None = None,
                  max_connections: int = MAX_CONNECTIONS, idle_timeout_s: float = READ_TIMEOUT_S,
                  write_timeout_s: float = WRITE_TIMEOUT_S, log_interval_s: float = LIMIT_LOG_INTERVAL_S,
-                 tls: ssl.SSLContext | None = None, auth: TokenAuth | None = None):
+                 tls: ssl.SSLContext | None = None, auth: TokenAuth | None = None, page: StatusPage | None = None):
         self._host, self._port = split_host_port(listen)
         self._tls = tls  # HTTPS (agent.tls keeps the certificate current); None: plaintext
-        self._auth = auth  # who may scrape /metrics (http.token_auth); None: anyone
+        self._auth = auth  # who may scrape /metrics and read / (http.token_auth); None: anyone
+        self._page = page  # the status page at /; None: / is not found
         self._registry = registry
         self._readiness = readiness
         self._liveness = liveness
@@ -126,13 +133,13 @@ class HttpEndpoint:
             path = target.split("?", 1)[0]
             self.requests += 1
             try:
-                status, content_type, body, gzipped = await self._route(method, path, headers, peer(writer))
+                status, content_type, body, gzipped, extra = await self._route(method, path, headers, peer(writer))
             except Exception as exc:  # a collector's bug costs this answer, never the endpoint or a silent close
-                (status, content_type, body), gzipped = self._failed(path, exc), False
+                (status, content_type, body), gzipped, extra = self._failed(path, exc), False, ""
             encoding = "Content-Encoding: gzip\r\n" if gzipped else ""
             encoding += CHALLENGE if status.startswith("401") else ""
-            header = (f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n{encoding}Content-Length: {len(body)}"
-                      "\r\nConnection: close\r\n\r\n").encode("latin-1")
+            header = (f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n{encoding}{extra}Content-Length: "
+                      f"{len(body)}\r\nConnection: close\r\n\r\n").encode("latin-1")
             async with asyncio.timeout(self._write_timeout_s):
                 await self._write(writer, header, b"" if method == "HEAD" else body)
         except TimeoutError:
@@ -193,26 +200,33 @@ class HttpEndpoint:
         return "500 Internal Server Error", "text/plain", f"{error}\n".encode()
 
     async def _route(self, method: str, path: str, headers: dict[str, str],
-                     client: str) -> tuple[str, str, bytes, bool]:
-        """(status, content type, body, gzipped); `client` is the peer's address."""
+                     client: str) -> tuple[str, str, bytes, bool, str]:
+        """(status, content type, body, gzipped, extra header lines); `client` is the peer's address."""
         if method not in ("GET", "HEAD"):
-            return "405 Method Not Allowed", "text/plain", b"only GET\n", False
-        if path == "/metrics":
+            return "405 Method Not Allowed", "text/plain", b"only GET\n", False, ""
+        page = self._page
+        if self._auth and (path == "/metrics" or (path == "/" and page)):
             # HEAD is a get, as the kubelet authorises it; the probes' paths below are open.
-            if self._auth and (refused := await self._auth.check(headers.get("authorization", ""), path, client)):
-                return refused.status, "text/plain", refused.body.encode(), False
+            refused = await self._auth.check(headers.get("authorization", ""), AUTHORIZED_AS[path], client,
+                                             requested=path)
+            if refused:
+                return refused.status, "text/plain", refused.body.encode(), False, ""
+        if path == "/metrics":
             gzipped = accepts_gzip(headers.get("accept-encoding", ""))
             content_type, body = await self._metrics(headers.get("accept", ""), gzipped)
-            return "200 OK", content_type, body, gzipped
+            return "200 OK", content_type, body, gzipped, ""
+        if path == "/" and page:
+            return "200 OK", page.content_type, page.render(), False, "".join(f"{k}: {v}\r\n" for k, v in page.headers)
         if path == "/healthz":
             alive, why = self._liveness()
-            return ("200 OK", "text/plain", b"ok\n", False) if alive else (
-                "503 Service Unavailable", "text/plain", f"{why}\n".encode(), False)
+            return ("200 OK", "text/plain", b"ok\n", False, "") if alive else (
+                "503 Service Unavailable", "text/plain", f"{why}\n".encode(), False, "")
         if path == "/readyz":
             ready, reasons = self._readiness()
             text = "ok\n" if ready else "".join(f"{r}\n" for r in reasons)
-            return ("200 OK" if ready else "503 Service Unavailable"), "text/plain", text.encode(), False
-        return "404 Not Found", "text/plain", b"not found: try /metrics, /healthz or /readyz\n", False
+            return ("200 OK" if ready else "503 Service Unavailable"), "text/plain", text.encode(), False, ""
+        served = "/, /metrics, /healthz or /readyz" if page else "/metrics, /healthz or /readyz"
+        return "404 Not Found", "text/plain", f"not found: try {served}\n".encode(), False, ""
 
     async def _metrics(self, accept: str, gzipped: bool) -> tuple[str, bytes]:
         # OpenMetrics when the scraper asks for it, else the text format (prometheus_client decides).

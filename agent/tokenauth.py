@@ -3,8 +3,10 @@ kubelet and kube-rbac-proxy check their scrapers.
 
 A request for /metrics must carry `Authorization: Bearer <token>`. The API server says whose token it
 is (a TokenReview, authentication.k8s.io/v1), then whether that user (name, uid, groups, extra) may
-`get` the non-resource URL /metrics (a SubjectAccessReview, authorization.k8s.io/v1). /healthz and
-/readyz are not checked: the kubelet's probes carry no token.
+`get` the non-resource URL /metrics (a SubjectAccessReview, authorization.k8s.io/v1). The status page
+`/` shows the same facts and is asked for as `get /metrics` too (agent.http.AUTHORIZED_AS), so one grant
+covers both and one cached decision serves both. /healthz and /readyz are not checked: the kubelet's
+probes carry no token.
 
 Answers, as the kubelet's (its server's auth filter) and kube-rbac-proxy's:
 - no bearer token: 401 `no_token`; a token the API server does not accept: 401 `token_rejected`;
@@ -78,10 +80,10 @@ LOG_INTERVAL_S = 60.0
 LOGGED_PAIRS = 1024  # (reason, client) pairs remembered for the log's interval; past that, only counted
 
 UNAUTHORIZED = "401 Unauthorized"
-REFUSALS = counter("npu_agent_http_refusals_total", "Requests for /metrics refused by http.token_auth, by reason: "
-                   "no_token (no bearer token), token_rejected (the API server does not accept it), forbidden (its "
-                   "user may not get /metrics), review_failed (no answer to a review: the API server refused the "
-                   "connection, timed out, failed, throttled or refused the agent)", "reason")
+REFUSALS = counter("npu_agent_http_refusals_total", "Requests for /metrics and the status page / refused by "
+                   "http.token_auth, by reason: no_token (no bearer token), token_rejected (the API server does not "
+                   "accept it), forbidden (its user may not get /metrics), review_failed (no answer to a review: the "
+                   "API server refused the connection, timed out, failed, throttled or refused the agent)", "reason")
 
 
 class ReviewFailed(Exception):
@@ -181,31 +183,35 @@ class TokenAuth:
         self.refusals: Counter[str] = Counter()
         self.reviews: Counter[str] = Counter()  # reviews asked of the API server: token, access
 
-    async def check(self, authorization: str, path: str, client: str = "", verb: str = "get") -> Refusal | None:
+    async def check(self, authorization: str, path: str, client: str = "", verb: str = "get",
+                    requested: str = "") -> Refusal | None:
         """None when the request may be answered, else how to refuse it (counted and logged).
-        `authorization` is the request's Authorization header, `client` its peer's address."""
+        `authorization` is the request's Authorization header, `path` the non-resource URL the
+        SubjectAccessReview asks for, `requested` the request's own path when it differs (for the log),
+        `client` its peer's address."""
+        requested = requested or path
         scheme, _, token = authorization.strip().partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
-            return self._refuse(NO_TOKEN, UNAUTHORIZED, "Unauthorized\n", path, client)
+            return self._refuse(NO_TOKEN, UNAUTHORIZED, "Unauthorized\n", requested, client)
         key = hmac.new(self._hash_key, token.encode(), hashlib.sha256).digest()
         try:
             review = await self._cached(self._tokens, key, token_ttl, "token", self._reviewer.review_token, token)
         except ReviewFailed as exc:
-            return self._refuse(REVIEW_FAILED, UNAUTHORIZED, "Unauthorized\n", path, client,
+            return self._refuse(REVIEW_FAILED, UNAUTHORIZED, "Unauthorized\n", requested, client,
                                 detail=f"TokenReview: {redact(str(exc), token)}")
         if review.user is None:
-            return self._refuse(TOKEN_REJECTED, UNAUTHORIZED, "Unauthorized\n", path, client,
+            return self._refuse(TOKEN_REJECTED, UNAUTHORIZED, "Unauthorized\n", requested, client,
                                 detail=redact(review.error, token))
         user, said = review.user, f"(user={review.user.name}, verb={verb}, path={path})"
         try:
             decision = await self._cached(self._decisions, (user, path, verb), access_ttl, "access",
                                           self._reviewer.review_access, user, path, verb)
         except ReviewFailed as exc:
-            return self._refuse(REVIEW_FAILED, "500 Internal Server Error", f"Authorization error {said}\n", path,
-                                client, user.name, f"SubjectAccessReview: {redact(str(exc), token)}")
+            return self._refuse(REVIEW_FAILED, "500 Internal Server Error", f"Authorization error {said}\n",
+                                requested, client, user.name, f"SubjectAccessReview: {redact(str(exc), token)}")
         if not decision.allowed:
-            return self._refuse(FORBIDDEN, "403 Forbidden", f"Forbidden {said}\n", path, client, user.name,
+            return self._refuse(FORBIDDEN, "403 Forbidden", f"Forbidden {said}\n", requested, client, user.name,
                                 decision.reason)
         return None
 
@@ -264,7 +270,7 @@ class TokenAuth:
             if len(self._logged) >= LOGGED_PAIRS:  # a flood from many addresses: counted, not logged
                 return
         self._logged[pair] = now
-        log.warning("refused a request for /metrics", extra={
+        log.warning(f"refused a request for {path}", extra={  # /metrics or /: the two paths it guards
             "reason": reason, "path": path, "client": client, "user": user, "detail": detail[:300],
             "refused_unlogged": self._unlogged.pop(pair, 0)})
 

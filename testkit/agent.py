@@ -131,7 +131,8 @@ class AgentProcess:
     def faults_json(self) -> list[dict]:
         result = subprocess.run([sys.executable, "-m", "agent", "faults", "--json", "--target",
                                  f"127.0.0.1:{self.grpc_port}"], cwd=REPO, capture_output=True, text=True, timeout=30)
-        assert result.returncode == 0, result.stderr
+        # 3: the agent said it cannot see all of its devices (e.g. a driver call hangs); the list is its last known
+        assert result.returncode in (0, 3), result.stderr
         return [json.loads(line) for line in result.stdout.splitlines()]
 
     def fault_of(self, device: int) -> dict | None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16npu_agent_faults.proto\x12\x0bnpuagent.v1\"P\n\x0cWatchRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x16\n\x0esince_revision\x18\x02 \x01(\x04\x12\x19\n\x11keepalive_seconds\x18\x03 \x01(\r\"\x12\n\x10GetFaultsRequest\"\xa1\x01\n\rWatchResponse\x12.\n\x08snapshot\x18\x01 \x01(\x0b\x32\x1a.npuagent.v1.FaultSnapshotH\x00\x12+\n\x06\x63hange\x18\x02 \x01(\x0b\x32\x19.npuagent.v1.DeviceChangeH\x00\x12+\n\tkeepalive\x18\x03 \x01(\x0b\x32\x16.npuagent.v1.KeepaliveH\x00\x42\x06\n\x04kind\"j\n\rFaultSnapshot\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\x04\x12*\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x19.npuagent.v1.DeviceFaults\"h\n\x0c\x44\x65viceChange\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\x04\x12)\n\x06\x64\x65vice\x18\x04 \x01(\x0b\x32\x19.npuagent.v1.DeviceFaults\".\n\tKeepalive\x12\x10\n\x08revision\x18\x01 \x01(\x04\x12\x0f\n\x07time_ms\x18\x02 \x01(\x03\"\xbb\x01\n\x0c\x44\x65viceFaults\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\r\x12\x10\n\x08logic_id\x18\x02 \x01(\r\x12\r\n\x05level\x18\x03 \x01(\t\x12\x10\n\x08since_ms\x18\x04 \x01(\x03\x12\x0e\n\x06health\x18\x05 \x01(\x05\x12&\n\x05\x63odes\x18\x06 \x03(\x0b\x32\x17.npuagent.v1.ActiveCode\x12\x10\n\x08revision\x18\x07 \x01(\x04\x12\x1e\n\x04pods\x18\x08 \x03(\x0b\x32\x10.npuagent.v1.Pod\"9\n\x03Pod\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\tcontainer\x18\x03 \x01(\t\"c\n\nActiveCode\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\r\n\x05level\x18\x02 \x01(\t\x12\x10\n\x08since_ms\x18\x03 \x01(\x03\x12\x10\n\x08severity\x18\x04 \x01(\x05\x12\x14\n\x0c\x65scalated_by\x18\x05 \x01(\t2\x96\x01\n\nNodeFaults\x12@\n\x05Watch\x12\x19.npuagent.v1.WatchRequest\x1a\x1a.npuagent.v1.WatchResponse0\x01\x12\x46\n\tGetFaults\x12\x1d.npuagent.v1.GetFaultsRequest\x1a\x1a.npuagent.v1.FaultSnapshotb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16npu_agent_faults.proto\x12\x0bnpuagent.v1\"P\n\x0cWatchRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x16\n\x0esince_revision\x18\x02 \x01(\x04\x12\x19\n\x11keepalive_seconds\x18\x03 \x01(\r\"\x12\n\x10GetFaultsRequest\"\xa1\x01\n\rWatchResponse\x12.\n\x08snapshot\x18\x01 \x01(\x0b\x32\x1a.npuagent.v1.FaultSnapshotH\x00\x12+\n\x06\x63hange\x18\x02 \x01(\x0b\x32\x19.npuagent.v1.DeviceChangeH\x00\x12+\n\tkeepalive\x18\x03 \x01(\x0b\x32\x16.npuagent.v1.KeepaliveH\x00\x42\x06\n\x04kind\"\x91\x01\n\rFaultSnapshot\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\x04\x12*\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x19.npuagent.v1.DeviceFaults\x12%\n\x04view\x18\x05 \x01(\x0b\x32\x17.npuagent.v1.DeviceView\"\xc2\x01\n\nDeviceView\x12,\n\x05state\x18\x01 \x01(\x0e\x32\x1d.npuagent.v1.DeviceView.State\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x17\n\x0funknown_devices\x18\x03 \x03(\r\"]\n\x05State\x12\x0f\n\x0bUNSPECIFIED\x10\x00\x12\x0c\n\x08\x43OMPLETE\x10\x01\x12\x0e\n\nNO_DEVICES\x10\x02\x12\x10\n\x0cNOT_READ_YET\x10\x03\x12\x13\n\x0f\x44\x45VICES_UNKNOWN\x10\x04\"h\n\x0c\x44\x65viceChange\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\x04\x12)\n\x06\x64\x65vice\x18\x04 \x01(\x0b\x32\x19.npuagent.v1.DeviceFaults\"U\n\tKeepalive\x12\x10\n\x08revision\x18\x01 \x01(\x04\x12\x0f\n\x07time_ms\x18\x02 \x01(\x03\x12%\n\x04view\x18\x03 \x01(\x0b\x32\x17.npuagent.v1.DeviceView\"\xbb\x01\n\x0c\x44\x65viceFaults\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\r\x12\x10\n\x08logic_id\x18\x02 \x01(\r\x12\r\n\x05level\x18\x03 \x01(\t\x12\x10\n\x08since_ms\x18\x04 \x01(\x03\x12\x0e\n\x06health\x18\x05 \x01(\x05\x12&\n\x05\x63odes\x18\x06 \x03(\x0b\x32\x17.npuagent.v1.ActiveCode\x12\x10\n\x08revision\x18\x07 \x01(\x04\x12\x1e\n\x04pods\x18\x08 \x03(\x0b\x32\x10.npuagent.v1.Pod\"9\n\x03Pod\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\tcontainer\x18\x03 \x01(\t\"c\n\nActiveCode\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\r\n\x05level\x18\x02 \x01(\t\x12\x10\n\x08since_ms\x18\x03 \x01(\x03\x12\x10\n\x08severity\x18\x04 \x01(\x05\x12\x14\n\x0c\x65scalated_by\x18\x05 \x01(\t2\x96\x01\n\nNodeFaults\x12@\n\x05Watch\x12\x19.npuagent.v1.WatchRequest\x1a\x1a.npuagent.v1.WatchResponse0\x01\x12\x46\n\tGetFaults\x12\x1d.npuagent.v1.GetFaultsRequest\x1a\x1a.npuagent.v1.FaultSnapshotb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,18 +37,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETFAULTSREQUEST']._serialized_end=139
   _globals['_WATCHRESPONSE']._serialized_start=142
   _globals['_WATCHRESPONSE']._serialized_end=303
-  _globals['_FAULTSNAPSHOT']._serialized_start=305
-  _globals['_FAULTSNAPSHOT']._serialized_end=411
-  _globals['_DEVICECHANGE']._serialized_start=413
-  _globals['_DEVICECHANGE']._serialized_end=517
-  _globals['_KEEPALIVE']._serialized_start=519
-  _globals['_KEEPALIVE']._serialized_end=565
-  _globals['_DEVICEFAULTS']._serialized_start=568
-  _globals['_DEVICEFAULTS']._serialized_end=755
-  _globals['_POD']._serialized_start=757
-  _globals['_POD']._serialized_end=814
-  _globals['_ACTIVECODE']._serialized_start=816
-  _globals['_ACTIVECODE']._serialized_end=915
-  _globals['_NODEFAULTS']._serialized_start=918
-  _globals['_NODEFAULTS']._serialized_end=1068
+  _globals['_FAULTSNAPSHOT']._serialized_start=306
+  _globals['_FAULTSNAPSHOT']._serialized_end=451
+  _globals['_DEVICEVIEW']._serialized_start=454
+  _globals['_DEVICEVIEW']._serialized_end=648
+  _globals['_DEVICEVIEW_STATE']._serialized_start=555
+  _globals['_DEVICEVIEW_STATE']._serialized_end=648
+  _globals['_DEVICECHANGE']._serialized_start=650
+  _globals['_DEVICECHANGE']._serialized_end=754
+  _globals['_KEEPALIVE']._serialized_start=756
+  _globals['_KEEPALIVE']._serialized_end=841
+  _globals['_DEVICEFAULTS']._serialized_start=844
+  _globals['_DEVICEFAULTS']._serialized_end=1031
+  _globals['_POD']._serialized_start=1033
+  _globals['_POD']._serialized_end=1090
+  _globals['_ACTIVECODE']._serialized_start=1092
+  _globals['_ACTIVECODE']._serialized_end=1191
+  _globals['_NODEFAULTS']._serialized_start=1194
+  _globals['_NODEFAULTS']._serialized_end=1344
 # @@protoc_insertion_point(module_scope)

@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric,
+                                    SummaryMetricFamily)
 
 
 @dataclass(frozen=True)
 class Family:
-    kind: type[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]
+    kind: type[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily | SummaryMetricFamily]
     name: str  # a counter's as written in the code (the client drops its `_total`)
     help: str
     labels: tuple[str, ...] = ()  # after `node`
@@ -51,6 +52,11 @@ def counter(name: str, help: str, *labels: str) -> Family:
 
 def histogram(name: str, help: str, *labels: str) -> Family:
     return Family(HistogramMetricFamily, name, help, labels)
+
+
+def summary(name: str, help: str, *labels: str) -> Family:
+    """`_count` and `_sum` only (no quantiles): a mean, at two series where a histogram costs one per bucket."""
+    return Family(SummaryMetricFamily, name, help, labels)
 
 
 def described(families: Iterable[Family]) -> list[Metric]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,10 +18,11 @@ from typing import Callable
 import yaml
 
 from agent.config import config_from_dict, load_config
+from agent.demo.changes import LEGEND, Lines, first_readings_line
 from agent.demo.clusterd import DemoClusterd
 from agent.demo.job import DemoJob, disk_summary
 from agent.demo.kubelet import NAMESPACE, DemoKubelet
-from agent.model import Change, Snapshot
+from agent.model import Change, DeviceState, Health, Snapshot
 from agent.diskguard.guard import DiskGuard
 from agent.steps.records import RankKey
 from agent.steps.consumer import StepMetrics
@@ -102,12 +102,6 @@ def _pods(refs) -> str:
     return " ".join(f"[pod {p.namespace}/{p.pod}]" for p in refs)
 
 
-def _summary(states) -> str:
-    faulty = [f"NPU{s.phy_id}:{s.level.name}[{','.join(c.text for c in s.codes)}]" for s in states if s.faulty]
-    healthy = sum(1 for s in states if not s.faulty)
-    return f"healthy {healthy}/{len(states)}" + (" | " + " ".join(faulty) if faulty else "")
-
-
 def _ranks(ranks: list[int]) -> str:
     """0-15 for a full run, else the list."""
     if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
@@ -115,18 +109,17 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
-def run_demo(duration: float, workdir: str | None, slow_after: float = 60.0) -> int:
+def run_demo(duration: float, workdir: str | None, slow_after: float = 60.0, log_level: str = "info") -> int:
     from agent.app import serve
     from agent.common.logs import setup_logging
 
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="npu-node-agent-demo-"))
     root.mkdir(parents=True, exist_ok=True)
     log_file = open(root / "agent.log", "a", encoding="utf-8")
-    setup_logging("info", "json", stream=log_file)
-    tty = sys.stdout.isatty()
+    setup_logging(log_level, "json", stream=log_file)
 
     def say(line: str) -> None:
-        print(("\r" if tty else "") + f"[{time.monotonic() - started:5.1f}s] {line}", flush=True)
+        print(f"[{time.monotonic() - started:5.1f}s] {line}", flush=True)
 
     started = time.monotonic()
 
@@ -139,6 +132,7 @@ def run_demo(duration: float, workdir: str | None, slow_after: float = 60.0) -> 
         await kubelet.start()
         config_path = write_demo_files(root, clusterd.port, kubelet.socket_path)
         config = load_config(str(config_path), environ={})
+        config.log.level = log_level  # --log-level; the file keeps the demo's "info"
 
         def on_started(agent) -> None:
             http, grpc_port = agent.http.port, agent.grpc.port
@@ -157,7 +151,7 @@ def run_demo(duration: float, workdir: str | None, slow_after: float = 60.0) -> 
                   f"                (training_step_duration_seconds, training_rank_slow, training_rank_slowdown_ratio, ...);\n"
                   f"                the disk guard keeps the tree under {DEMO_DISK_LIMIT_MB} MiB (npu_agent_profiling_disk_usage_bytes)\n"
                   f"  files:        {root}  (config.yaml, scenario.yaml, customization.json, agent.log)\n"
-                  f"  run it again: npu-node-agent run --config {config_path}\n", flush=True)
+                  f"  run it again: npu-node-agent run --config {config_path}\n\n{LEGEND}\n", flush=True)
             asyncio.create_task(watch(agent))
             job = DemoJob(Path(config.profiling.root), slow_after_s=slow_after)
             tasks.append(asyncio.create_task(job.run()))
@@ -210,20 +204,35 @@ def run_demo(duration: float, workdir: str | None, slow_after: float = 60.0) -> 
 
         async def watch(agent) -> None:
             subscription = agent.hub.subscribe()
+            known: dict[int, DeviceState] = {}
+            firsts: list[Change] = []  # first states without a fault (the agent has just listed the NPUs): one line
+            lines = Lines()
+
+            def flush(elapsed: float, everything: bool = False) -> None:
+                """The first readings (once no more arrive), then the lines held long enough."""
+                if firsts:
+                    print(first_readings_line(elapsed, [c.revision for c in firsts], [c.state for c in firsts]),
+                          flush=True)
+                    firsts.clear()
+                for pending in lines.due(elapsed, everything):
+                    print(pending.line(_pods(agent.pods_of(pending.after.phy_id))), flush=True)
+
             while True:
-                item = await subscription.next(1.0)
+                item = await subscription.next(0.1)
                 elapsed = time.monotonic() - started
-                if isinstance(item, Change) and not tty:
-                    s = item.state
-                    codes = ", ".join(f"{c.text} {c.level.name}" + (f" by {c.escalated_by}" if c.escalated_by else "")
-                                      for c in s.codes) or "-"
-                    health = {1: "healthy", 0: "unhealthy", -1: "unknown"}[int(s.health)]
-                    print(f"[{elapsed:5.1f}s] rev {item.revision:<3} NPU{s.phy_id} {health:<9} {s.level.name:<19} {codes}"
-                          f" {_pods(agent.pods_of(s.phy_id))}".rstrip(), flush=True)
-                if tty and (item is None or isinstance(item, (Change, Snapshot))):
-                    line = f"[{elapsed:5.1f}s] rev {agent.hub.revision} {_summary(agent.faults.engine.states())}"
-                    print("\r" + line[:160].ljust(160), end="", flush=True)
+                for change in item.devices if isinstance(item, Snapshot) else [item] if isinstance(item, Change) else []:
+                    before = known.get(change.state.phy_id)
+                    known[change.state.phy_id] = change.state
+                    if before is None and not change.state.faulty and change.state.health is Health.HEALTHY:
+                        firsts.append(change)
+                        continue
+                    flush(elapsed)
+                    for pending in lines.add(elapsed, change.revision, before, change.state):
+                        print(pending.line(_pods(agent.pods_of(pending.after.phy_id))), flush=True)
+                if item is None or not firsts:  # first readings arrive together: one line once they stop
+                    flush(elapsed)
                 if duration and elapsed >= duration:
+                    flush(elapsed, everything=True)
                     stop.set()
                     return
 
@@ -234,8 +243,6 @@ def run_demo(duration: float, workdir: str | None, slow_after: float = 60.0) -> 
                 task.cancel()
             await clusterd.stop()
             await kubelet.stop()
-        if tty:
-            print()
         return code
 
     try:

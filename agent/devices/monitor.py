@@ -22,6 +22,7 @@ from agent.common.ratelimit import TokenBucket
 from agent.lifecycle import Tasks, spawn
 
 log = logging.getLogger(__name__)
+NOT_STARTED = "not started"  # the error until the driver is first opened
 
 RECOVER_DELAY_S = 1.0  # a recover event races the error-code list; confirm it by a poll this much later
 OPEN_RETRY_S = 30.0
@@ -59,10 +60,11 @@ class DeviceMonitor:
         self._scheduled: dict[int, asyncio.TimerHandle] = {}
         self._by_logic: dict[int, DeviceInfo] = {}
         self._last_error: dict[int, str] = {}
+        self.read_errors: dict[int, str] = {}  # phy id -> why its last read failed (the fault stream says so)
         self._first_unknown = Once()  # ("device", logic id) / ("assertion", value) logged
         self.devices: list[DeviceInfo] = []
         self.code_order: dict[int, tuple[int, ...]] = {}  # phy id -> its codes as the driver last listed them
-        self.error = "not started"
+        self.error = NOT_STARTED
         self.events_error = ""
         self.polled_once = False
         # events: for a known device with an assertion the agent knows; events_skipped: any other
@@ -87,6 +89,11 @@ class DeviceMonitor:
         except (CallTimeout, asyncio.TimeoutError):
             log.warning("driver close did not return in time")
         self._calls.close()
+
+    @property
+    def driver_problem(self) -> str:
+        """Why the driver cannot be used: "" once it is open, and before the first attempt."""
+        return "" if self.error == NOT_STARTED else self.error
 
     def readiness(self) -> tuple[bool, str]:
         if not self.devices:
@@ -259,6 +266,10 @@ class DeviceMonitor:
             else:
                 log.info("device read works again", extra={"device": device.phy_id, "logic_id": device.logic_id})
             self._last_error[device.logic_id] = kind
+            if reading.error:
+                self.read_errors[device.phy_id] = "no answer from the driver" if kind == "no answer" else kind
+            else:
+                self.read_errors.pop(device.phy_id, None)
         if reading.codes is not None:
             self.code_order[device.phy_id] = reading.order
         self._observer.on_reading(device, reading, started_ms)

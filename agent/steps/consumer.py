@@ -1,9 +1,10 @@
 """Step-latency figures per rank, fed by the record tailer; the collector renders them at scrape time.
 
 The tailer hands complete lines of each rank's files; they are parsed (`records`), paired into steps
-(`steps`), judged (`detect`), and summed into per-rank histograms. After each batch the oldest input
-position a rank still needs is handed back to the tailer to commit, so a restart reads again from there;
-the steps that re-reading finds a second time are dropped by (process, step number), which is kept
+(`steps`), judged (`detect`), and summed: per rank into a count and a sum, per job on the node into
+histograms (per rank they cost Prometheus 80 series a rank: docs/metrics.md, "Series budget"). After
+each batch the oldest input position a rank still needs is handed back to the tailer to commit, so a
+restart reads again from there; the steps that re-reading finds a second time are dropped by (process, step number), which is kept
 in `<state_dir>/steps.json` with the detector's baselines (a restart goes on judging a rank whose
 training process did not restart, instead of learning it for 70 steps). Bad input is counted by reason and logged at most once a minute per
 file and reason; it never stops the rest.
@@ -95,6 +96,27 @@ def _bound_text(bound: float) -> str:
 
 
 @dataclass
+class Summary:
+    """Count and sum of a rank's step durations: its mean over any range (the distribution is its job's)."""
+
+    count: int = 0
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        self.total += value
+        self.count += 1
+
+
+@dataclass
+class JobHistograms:
+    """The distributions of the steps of a job's ranks on this node. They live as long as a rank of
+    the job does, so a rank that leaves takes nothing back (they only grow, as counters must)."""
+
+    steps: dict = field(default_factory=dict)  # clock -> Histogram
+    phases: dict = field(default_factory=dict)  # phase -> Histogram
+
+
+@dataclass
 class RankSeries:
     """Everything the scrape shows of one rank."""
 
@@ -102,8 +124,7 @@ class RankSeries:
     assembler: RankAssembler = field(default_factory=RankAssembler)
     stage: str = ""
     tp_group: tuple[int, ...] | None = None
-    steps: dict = field(default_factory=dict)  # clock -> Histogram
-    phases: dict = field(default_factory=dict)  # phase -> Histogram
+    steps: dict = field(default_factory=dict)  # clock -> Summary
     steps_total: int = 0
     last_duration_s: float | None = None
     last_completed_s: float | None = None
@@ -130,6 +151,7 @@ class StepMetrics:
                  upkeep_s: float = UPKEEP_S, max_held: int = MAX_HELD):
         self.detector = detector or SlowRankDetector()
         self.ranks: dict[RankKey, RankSeries] = {}
+        self.jobs: dict[str, JobHistograms] = {}  # job_id -> its histograms, while it has a rank here
         self.parse_errors: Counter = Counter(dict.fromkeys(reasons.PARSE_ERRORS, 0))  # reason -> count
         self.tasks = Tasks(self.name)
         self._state_file = state_file
@@ -249,13 +271,15 @@ class StepMetrics:
             del series.last_steps[next(iter(series.last_steps))]
         self._unsaved = True
         series.steps_total += 1
-        series.steps.setdefault(sample.clock, Histogram(STEP_BUCKETS)).observe(sample.duration_s)
+        series.steps.setdefault(sample.clock, Summary()).observe(sample.duration_s)
         series.last_duration_s = sample.duration_s
         series.last_completed_s = max(series.last_completed_s or 0.0, sample.wall_end_s)
+        job = self.jobs.setdefault(series.key.job_id, JobHistograms())
+        job.steps.setdefault(sample.clock, Histogram(STEP_BUCKETS)).observe(sample.duration_s)
         for phase, value in ((FORWARD, sample.forward_s), (DATALOADER, sample.dataloader_s or None),
                              (CHECKPOINT, sample.checkpoint_s or None)):
             if value is not None:
-                series.phases.setdefault(phase, Histogram(PHASE_BUCKETS[phase])).observe(value)
+                job.phases.setdefault(phase, Histogram(PHASE_BUCKETS[phase])).observe(value)
         self.detector.observe(series.key, sample, series.stage, series.tp_group)
 
     def _in_progress(self, series: RankSeries, now: float) -> None:
@@ -297,6 +321,10 @@ class StepMetrics:
                 log.info("training rank dropped from the metrics", extra={
                     "job_id": key.job_id, "rank": key.rank, "why": "directory removed" if gone else "no records"})
         self.detector.forget(dropped)
+        if dropped:
+            live = {key.job_id for key in self.ranks}
+            for job_id in [job_id for job_id in self.jobs if job_id not in live]:
+                del self.jobs[job_id]  # its last rank left: the job's histograms leave the scrape with it
 
     def _shed(self) -> None:
         """Over the node-wide bound: every rank keeps what it holds up to one level, set so the sum

@@ -1,5 +1,10 @@
 """The `training_*` metric families, rendered at scrape time from the step consumer's state (before
-the first record has built the consumer, the same families without a rank)."""
+the first record has built the consumer, the same families without a rank).
+
+A node's training series grow with its ranks, so a rank has only what a rule, a dashboard or the
+slow-rank verdicts read (15 series, 16 while it saves a checkpoint, and its worker's 9 shared by its
+TP group: docs/metrics.md, "Series budget"); the distributions are per job on the node (two
+histograms, at most 80 series, whatever the number of ranks)."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from typing import Callable, Iterable
 
 from prometheus_client.core import Metric
 
-from agent.common.families import counter, described, gauge, histogram
+from agent.common.families import counter, described, gauge, histogram, summary
 from agent.steps.records import RankKey
 from agent.steps.reasons import COMPUTE, IO, PARSE_ERRORS, SLOW
 
@@ -17,9 +22,12 @@ JOB_RANK = (*JOB, "rank")  # no pp_stage: known only once read
 RANK = (*JOB_RANK, "pp_stage")
 WORKER = (*JOB, "pp_stage", "worker")
 
-DURATION = histogram("training_step_duration_seconds", "Duration of each completed training step", *RANK, "clock")
-PHASES = histogram("training_phase_duration_seconds",
-                   "Per step: summed forward, dataloader and save_checkpoint ranges", *RANK, "phase")
+DURATION = summary("training_step_duration_seconds", "Duration of each completed training step: count and sum "
+                   "(the distribution is training_node_step_duration_seconds)", *RANK, "clock")
+NODE_DURATION = histogram("training_node_step_duration_seconds",
+                          "Duration of each completed training step of the job's ranks on this node", *JOB, "clock")
+NODE_PHASES = histogram("training_node_phase_duration_seconds", "Per step of the job's ranks on this node: summed "
+                        "forward, dataloader and save_checkpoint ranges", *JOB, "phase")
 LAST = gauge("training_step_last_duration_seconds", "Duration of the latest step", *RANK)
 COMPLETED = gauge("training_step_last_completed_timestamp_seconds",
                   "Wall time the latest step ended (a hung rank shows as its age)", *RANK)
@@ -27,9 +35,7 @@ TOTAL = counter("training_steps_completed", "Steps seen", *RANK)
 BASELINE = gauge("training_step_baseline_seconds",
                  "Robust step-time baseline of the rank (median of its first 50 eligible steps)", *RANK)
 RATIO = gauge("training_rank_slowdown_ratio", "Median of the last 5 eligible steps over the baseline", *RANK)
-RANK_COMPUTE = gauge("training_rank_compute_seconds", "Median forward time of the last 5 eligible steps", *RANK)
 RANK_SLOW = gauge("training_rank_slow", "1 while the detector holds the rank slow, by reason", *RANK, "reason")
-DETECTIONS = counter("training_slow_detections", "Times the rank was found slow, by reason", *RANK, "reason")
 RECORDS = counter("training_profiling_records", "Profiling records read", *JOB_RANK)
 LAG = gauge("training_profiling_lag_seconds",
             "How old the oldest record of the agent's last read was (TaskD writes every 5 s)", *JOB_RANK)
@@ -56,8 +62,8 @@ WORKER_SLOW = gauge("training_worker_slow", "1 while the worker is slow as judge
 PARSE_ERRORS_FAMILY = counter("training_profiling_parse_errors", "Bad profiling input skipped on the node, by reason "
                               "(the log names the job and rank)", "reason")
 # In the order of a scrape.
-JOB_FAMILIES = (RANK_INFO, DURATION, PHASES, LAST, COMPLETED, TOTAL, BASELINE, RATIO, RANK_COMPUTE, RANK_SLOW,
-                DETECTIONS, ACTIVE, OPEN_STEP, OPEN_CHECKPOINT, NODE_SLOW)
+JOB_FAMILIES = (RANK_INFO, DURATION, LAST, COMPLETED, TOTAL, BASELINE, RATIO, RANK_SLOW, ACTIVE, OPEN_STEP,
+                OPEN_CHECKPOINT, NODE_SLOW, NODE_DURATION, NODE_PHASES)
 WORKER_FAMILIES = (WORKER_INFO, WORKER_COMPUTE, WORKER_STDERR, WORKER_SLOW)
 FAMILIES = (*JOB_FAMILIES, *WORKER_FAMILIES, RECORDS, LAG, PARSE_ERRORS_FAMILY)
 
@@ -71,15 +77,15 @@ class StepCollector:
         self._node = node
         self._steps = steps
         self._clock = clock
-        self._histograms = histograms  # False: the two histogram families stay empty (what most of a scrape costs)
+        self._histograms = histograms  # False: the two histogram families stay empty (what the rules never read)
 
     def describe(self) -> list[Metric]:
         return described(FAMILIES)
 
     def collect(self) -> Iterable[Metric]:
         node, steps, now = self._node, self._steps(), self._clock()
-        (info, duration, phases, last, completed, total, baseline, ratio, compute, slow, detections, active, open_step,
-         open_checkpoint, node_slow) = (family.empty() for family in JOB_FAMILIES)
+        (info, duration, last, completed, total, baseline, ratio, slow, active, open_step, open_checkpoint, node_slow,
+         node_duration, node_phases) = (family.empty() for family in JOB_FAMILIES)
         records, lag = RECORDS.empty(), LAG.empty()
         jobs: dict[str, tuple[str, str, str]] = {}  # job_id -> its namespace, name and id as label values
         pods: dict[str, str] = {}  # job_id -> pod_name
@@ -95,10 +101,8 @@ class StepCollector:
             is_active = steps.active(key, now)
             if is_active:
                 active_ranks.add(key)
-            for clock, hist in sorted(series.steps.items()) if self._histograms else ():
-                duration.add_metric([*labels, clock], hist.buckets(), hist.total)
-            for phase, hist in sorted(series.phases.items()) if self._histograms else ():
-                phases.add_metric([*labels, phase], hist.buckets(), hist.total)
+            for clock, steps_of in sorted(series.steps.items()):
+                duration.add_metric([*labels, clock], steps_of.count, steps_of.total)
             if series.last_duration_s is not None:
                 last.add_metric(labels, series.last_duration_s)
                 completed.add_metric(labels, series.last_completed_s)
@@ -109,11 +113,8 @@ class StepCollector:
                     baseline.add_metric(labels, state.baseline)
                 if state.ratio is not None and is_active:  # a stopped job's frozen ratio says nothing
                     ratio.add_metric(labels, state.ratio)
-                if state.compute is not None:
-                    compute.add_metric(labels, state.compute)
             for reason in SLOW:
                 slow.add_metric([*labels, reason], int(state is not None and state.slow[reason]))
-                detections.add_metric([*labels, reason], state.detections[reason] if state is not None else 0)
             records.add_metric(job_rank, series.records)
             if series.read_lag_s is not None:
                 lag.add_metric(job_rank, series.read_lag_s)
@@ -129,6 +130,12 @@ class StepCollector:
                 continue  # finished, paused or saving here: no verdict on this node
             for reason, value in steps.detector.node_verdict(job).items():
                 node_slow.add_metric([node, namespace, job_name, job_id, reason], int(value))
+        for job, (namespace, job_name, job_id) in jobs.items() if self._histograms else ():
+            histograms = steps.jobs.get(job)
+            for clock, hist in sorted(histograms.steps.items()) if histograms else ():
+                node_duration.add_metric([node, namespace, job_name, job_id, clock], hist.buckets(), hist.total)
+            for phase, hist in sorted(histograms.phases.items()) if histograms else ():
+                node_phases.add_metric([node, namespace, job_name, job_id, phase], hist.buckets(), hist.total)
         for job, workers in sorted(steps.detector.workers.items() if steps else ()):
             if job not in jobs:
                 continue
@@ -142,8 +149,8 @@ class StepCollector:
         errors = PARSE_ERRORS_FAMILY.empty()
         for reason, count in sorted(steps.parse_errors.items() if steps else dict.fromkeys(PARSE_ERRORS, 0).items()):
             errors.add_metric([node, reason], count)
-        yield from (info, duration, phases, last, completed, total, baseline, ratio, compute, slow, detections,
-                    active, open_step, open_checkpoint, node_slow, *worker_families.families(), records, lag, errors)
+        yield from (info, duration, last, completed, total, baseline, ratio, slow, active, open_step, open_checkpoint,
+                    node_slow, node_duration, node_phases, *worker_families.families(), records, lag, errors)
 
 
 class _WorkerFamilies:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent import __version__
 from agent.steps.consumer import StepMetrics
 from agent.steps.metrics import StepCollector
 from agent.steps.records import RankKey
@@ -54,7 +55,8 @@ class Node:
     offsets: dict[int, int] = field(default_factory=dict)  # rank -> bytes handed over
 
     def scrape(self, keep: frozenset[str] = RULE_INPUTS) -> dict[SeriesKey, float]:
-        out = {}
+        # Every agent exports its build info, which the presence rules look for (NPUAgentMetricsAbsent).
+        out = {("npu_agent_build_info", (("node", self.name), ("version", __version__))): 1.0}
         for family in self.collector.collect():
             for sample in family.samples:
                 if sample.name in keep:

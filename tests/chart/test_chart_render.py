@@ -80,7 +80,8 @@ def test_config_follows_values(helm):
 def test_daemonset_basics(helm):
     rendered = helm.render()
     ds = rendered.one("DaemonSet")
-    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}}
+    assert ds["spec"]["minReadySeconds"] == 10
     spec = rendered.pod["spec"]
     assert spec["priorityClassName"] == "system-node-critical"
     assert spec["nodeSelector"] == {"accelerator": "huawei-Ascend910"}
@@ -237,18 +238,22 @@ REVIEWS = [{"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"
            {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]}]
 
 
+# With the API server at all: the node condition's patch (or, with it off, the removal of an earlier run's).
+NODE_STATUS = {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]}
+
+
 @pytest.mark.parametrize("values, sets, cluster_rules, device_info_rules", [
     (None, (), None, None),                              # kubernetes off: no RBAC at all
     ("minimal", (), None, None),
-    (None, ("agent.kubernetes.enabled=true",), [PODS], None),   # step-metric job labels
-    (None, ("agent.kubernetes.enabled=true", "agent.profiling.metrics=false"), None, None),
+    (None, ("agent.kubernetes.enabled=true",), [PODS, NODE_STATUS], None),   # step-metric job labels
+    (None, ("agent.kubernetes.enabled=true", "agent.profiling.metrics=false"), [NODE_STATUS], None),
     (None, ("agent.kubernetes.enabled=true", "agent.profiling.metrics=false",
-            "agent.kubernetes.device_info_configmap=true"), None, [DEVICE_INFO]),
-    (None, ("agent.kubernetes.enabled=true", "agent.datatrace.enabled=true"), [PODS, CONFIGMAPS], None),
-    ("kubernetes-full", (), [PODS, CONFIGMAPS, *REVIEWS], [DEVICE_INFO]),
-    ("kubernetes-full", ("agent.http.token_auth=false",), [PODS, CONFIGMAPS], [DEVICE_INFO]),
+            "agent.kubernetes.device_info_configmap=true"), [NODE_STATUS], [DEVICE_INFO]),
+    (None, ("agent.kubernetes.enabled=true", "agent.datatrace.enabled=true"), [PODS, CONFIGMAPS, NODE_STATUS], None),
+    ("kubernetes-full", (), [PODS, CONFIGMAPS, NODE_STATUS, *REVIEWS], [DEVICE_INFO]),
+    ("kubernetes-full", ("agent.http.token_auth=false",), [PODS, CONFIGMAPS, NODE_STATUS], [DEVICE_INFO]),
     ("taskd-proxy", (), None, None),
-    ("taskd-proxy", ("agent.kubernetes.enabled=true", "agent.profiling.metrics=false"), [PODS], None),
+    ("taskd-proxy", ("agent.kubernetes.enabled=true", "agent.profiling.metrics=false"), [PODS, NODE_STATUS], None),
 ])
 def test_rbac_is_what_the_features_use(helm, values, sets, cluster_rules, device_info_rules):
     rendered = helm.render(values, *sets)
@@ -321,10 +326,30 @@ def _fault_level_expr(spec: dict) -> str:
     return next(r["expr"] for g in spec["groups"] for r in g["rules"] if r.get("alert") == "NPUFaultLevelHigh")
 
 
-def test_prometheus_rule_is_the_rule_file_with_the_fault_level_set(helm):
+# What the chart writes into the presence alerts' selectors for this test's release (its full name is
+# the chart's name), and the file's own text.
+RELEASE_SELECTORS = {f'namespace="{NAMESPACE}", created_by_name="{RELEASE}"': 'created_by_name="npu-node-agent"',
+                     f'namespace="{NAMESPACE}", daemonset="{RELEASE}"': 'daemonset="npu-node-agent"'}
+
+
+def _as_shipped(spec: dict) -> dict:
+    """The rendered spec with the release's DaemonSet selectors put back to the file's."""
+    for group in spec["groups"]:
+        for rule in group["rules"]:
+            for rendered, shipped in RELEASE_SELECTORS.items():
+                rule["expr"] = rule["expr"].replace(rendered, shipped)
+    return spec
+
+
+def test_prometheus_rule_is_the_rule_file_with_the_fault_level_and_the_daemonset_set(helm):
     shipped = yaml.safe_load((CHART / "files" / "prometheus-rules.yaml").read_text())
     rule = helm.render("monitoring").one("PrometheusRule")
-    assert rule["spec"] == shipped  # the default level is the file's own
+    exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    for rendered, original in RELEASE_SELECTORS.items():  # every selector of the DaemonSet names the release's
+        assert sum(rendered in e for e in exprs) == sum(original in r["expr"] for g in shipped["groups"]
+                                                        for r in g["rules"]) >= 1
+        assert not any(original in e.replace(rendered, "") for e in exprs)
+    assert _as_shipped(rule["spec"]) == shipped  # nothing else; the default level is the file's own
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     changed = helm.render("monitoring", "prometheusRule.faultLevel=8").one("PrometheusRule")["spec"]
     assert "npu_agent_device_fault_level >= 8)" in _fault_level_expr(changed)
@@ -334,8 +359,14 @@ def test_prometheus_rule_is_the_rule_file_with_the_fault_level_set(helm):
         for rule in group["rules"]:
             if rule.get("alert") == "NPUFaultLevelHigh":
                 rule["expr"] = expr
-    assert changed == shipped
+    assert _as_shipped(changed) == shipped
     assert "faultLevel" in helm.render_error("monitoring", "prometheusRule.faultLevel=10")
+    # Another release, namespace and name: the alerts follow its DaemonSet.
+    other = helm.run("template", "agents", str(CHART), "--namespace", "npu-ops", "-f", str(VALUES / "monitoring.yaml"))
+    assert other.returncode == 0, other.stderr
+    [spec] = [d["spec"] for d in yaml.safe_load_all(other.stdout) if d and d["kind"] == "PrometheusRule"]
+    missing = next(r["expr"] for g in spec["groups"] for r in g["rules"] if r.get("alert") == "NPUAgentPodsMissing")
+    assert missing.count('{namespace="npu-ops", daemonset="agents-npu-node-agent"}') == 3
 
 
 def test_grafana_dashboard(helm):

@@ -17,6 +17,7 @@ DEVICE_INFO = ("agent.kubernetes.enabled=true", "agent.kubernetes.device_info_co
 AGENT_USER = f"system:serviceaccount:{NAMESPACE}:{RELEASE}"
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 TOKEN_AUTH = ("agent.kubernetes.enabled=true", "agent.http.token_auth=true")
+DEVICE_INFO_POLICY = f"{RELEASE}-deviceinfo"  # beside it, with kubernetes.enabled: <release>-nodestatus
 
 
 def _valid(rendered, versions=KUBE_VERSIONS) -> None:
@@ -41,14 +42,17 @@ def _kinds(rendered) -> set[str]:
 def test_admission_policy_renders_with_the_feature_and_the_api(helm, sets, flags, rendered):
     result = helm.render(None, *sets, flags=flags)
     policy = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
-    assert policy & _kinds(result) == (policy if rendered else set())
-    _valid(result, ADMISSION_POLICY_VERSIONS if rendered else KUBE_VERSIONS)
+    found = {d["kind"] for d in result.docs if d["kind"] in policy and d["metadata"]["name"] == DEVICE_INFO_POLICY}
+    assert found == (policy if rendered else set())
+    # With kubernetes.enabled the nodes/status policy renders too (test_chart_admission_nodestatus.py).
+    _valid(result, ADMISSION_POLICY_VERSIONS if policy & _kinds(result) else KUBE_VERSIONS)
 
 
 def test_admission_policy_shape(helm):
     rendered = helm.render("kubernetes-full", flags=(*VAP_API, "--kube-version", "1.30.0"))
     _valid(rendered, ADMISSION_POLICY_VERSIONS)
-    policy, binding = rendered.one("ValidatingAdmissionPolicy"), rendered.one("ValidatingAdmissionPolicyBinding")
+    policy = rendered.one("ValidatingAdmissionPolicy", DEVICE_INFO_POLICY)
+    binding = rendered.one("ValidatingAdmissionPolicyBinding", DEVICE_INFO_POLICY)
     spec = policy["spec"]
     assert spec["failurePolicy"] == "Fail"
     assert spec["matchConstraints"]["resourceRules"] == [{
@@ -92,18 +96,23 @@ def _configmap(namespace: str, name: str) -> dict:
             "data": {"DeviceInfoCfg": "{}"}}
 
 
-def admit(policy: dict, request: dict) -> tuple[bool, list[str]] | None:
+def admit(policy: dict, request: dict, obj: dict | None = None, old: dict | None = None) -> tuple[bool, list[str]] | None:
     """What the API server decides for `request` under `policy`, evaluated from the policy's own
     CEL: None when the policy does not match it; else (allowed, the denial messages). An
-    expression that fails to evaluate denies (failurePolicy Fail), with its error as the message."""
+    expression that fails to evaluate denies (failurePolicy Fail), with its error as the message.
+    `obj`, `old`: the object and oldObject (by default the ConfigMap the request names)."""
     spec = policy["spec"]
     rules = spec["matchConstraints"]["resourceRules"]
-    if not any(request["operation"] in r["operations"] and request["resource"]["resource"] in r["resources"]
+    # A rule names a subresource as `<resource>/<subresource>` (nodes/status).
+    resource = "/".join(filter(None, (request["resource"]["resource"], request.get("subResource"))))
+    if not any(request["operation"] in r["operations"] and resource in r["resources"]
                and request["resource"]["group"] in r["apiGroups"] for r in rules):
         return None
     env = celpy.Environment()
-    obj = None if request["operation"] == "DELETE" else _configmap(request["namespace"], request["name"])
-    old = None if request["operation"] == "CREATE" else _configmap(request["namespace"], request["name"])
+    if obj is None and request["operation"] != "DELETE":
+        obj = _configmap(request["namespace"], request["name"])
+    if old is None and request["operation"] != "CREATE":
+        old = _configmap(request["namespace"], request["name"])
     activation = {"request": _cel(request), "object": _cel(obj), "oldObject": _cel(old)}
 
     def evaluate(expression: str):
@@ -136,7 +145,7 @@ def admit(policy: dict, request: dict) -> tuple[bool, list[str]] | None:
 
 @pytest.fixture(scope="module")
 def policy(helm) -> dict:
-    return helm.render(None, *DEVICE_INFO, flags=VAP_API).one("ValidatingAdmissionPolicy")
+    return helm.render(None, *DEVICE_INFO, flags=VAP_API).one("ValidatingAdmissionPolicy", DEVICE_INFO_POLICY)
 
 
 @pytest.mark.parametrize("operation", ["CREATE", "UPDATE", "DELETE"])
@@ -189,7 +198,7 @@ def test_policy_leaves_every_other_user_alone(policy, user):
 
 def test_policy_names_the_service_account_the_pods_run_as(helm):
     rendered = helm.render(None, *DEVICE_INFO, "serviceAccount.name=npu-agent", flags=VAP_API)
-    policy = rendered.one("ValidatingAdmissionPolicy")
+    policy = rendered.one("ValidatingAdmissionPolicy", DEVICE_INFO_POLICY)
     assert rendered.pod["spec"]["serviceAccountName"] == "npu-agent"
     user = f"system:serviceaccount:{NAMESPACE}:npu-agent"
     request = _request("UPDATE", "kube-system", "mindx-dl-deviceinfo-n1", user=user, extra=_node("n1"))

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -67,9 +68,10 @@ def test_stream_snapshot_changes_resume_and_health(tmp_path):
             assert kinds[2].WhichOneof("kind") == "keepalive"
             state = stub.GetFaults(pb.GetFaultsRequest(), timeout=5)
             assert [d.level for d in state.devices] == ["NormalNPU", "NormalNPU", "SeparateNPU", "NormalNPU"]
+            assert state.view.state == pb.DeviceView.COMPLETE  # every device listed and read: nothing to warn of
 
         text = cli("faults", "--target", f"127.0.0.1:{agent.grpc_port}")
-        assert text.returncode == 0
+        assert text.returncode == 0 and text.stderr == "", text.stderr
         assert "1 of 4 devices with faults" in text.stdout and "80E18402 SeparateNPU" in text.stdout
         listed = [json.loads(line) for line in cli("faults", "--json", "--target", f"127.0.0.1:{agent.grpc_port}").stdout.splitlines()]
         assert [(f["device"], f["codes"], f["level"]) for f in listed] == [(2, ["80E18402"], "SeparateNPU")]
@@ -95,6 +97,84 @@ def test_faults_reports_an_unreachable_agent_in_one_line():
     result = cli("faults", "--target", "127.0.0.1:1", "--timeout", "0.5")
     assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0 and "cannot reach" in result.stderr
+    assert "Connection refused" in result.stderr  # why, as gRPC said it
+
+
+@pytest.mark.parametrize("address", ["nonsense", "127.0.0.1:99999", "127.0.0.1:0", "::1:9411", "host:", ":9411",
+                                     "[::1]"])
+def test_faults_refuses_an_address_that_is_not_host_port_at_once(address):
+    started = time.monotonic()
+    result = cli("faults", "--target", address, "--timeout", "20")
+    assert result.returncode == 2 and time.monotonic() - started < 15, result.stderr
+    assert f"argument --target: expected HOST:PORT with a port 1-65535 (an IPv6 address in brackets: [::1]:9411), " \
+           f"got {address!r}" in result.stderr
+
+
+def test_faults_says_at_once_when_the_host_does_not_resolve():
+    """gRPC reports a failed name lookup as UNAVAILABLE "errors resolving ...": no need to wait the time-out.
+    (.invalid never resolves: RFC 2606.)"""
+    started = time.monotonic()
+    result = cli("faults", "--target", "no-such-agent.invalid:9411", "--timeout", "30")
+    took = time.monotonic() - started
+    assert result.returncode == 1, result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith("npu-node-agent: cannot resolve the host of no-such-agent.invalid:9411: "), line
+    assert took < 25, took
+
+
+def test_version_flag_help_and_no_command():
+    version = cli("version")
+    flag = cli("--version")
+    assert flag.returncode == 0 and flag.stdout == version.stdout.splitlines()[0] + "\n"
+    bare = cli()
+    assert bare.returncode == 2 and bare.stdout == ""
+    assert bare.stderr.startswith("usage: npu-node-agent") and "npu-node-agent demo" in bare.stderr
+    assert "exit codes:" in bare.stderr and "3  faults: the agent cannot see all of its devices" in bare.stderr
+    helped = cli("faults", "--help")
+    assert helped.returncode == 0 and "--target HOST:PORT" in helped.stdout
+    assert "HEALTH   what the driver last said of the chip" in helped.stdout and "exit codes:" in helped.stdout
+
+
+@pytest.mark.parametrize("where", ["before the command", "after the command"])
+def test_log_level_overrides_the_configuration_before_or_after_the_command(tmp_path, where):
+    config = tmp_path / "agent.yaml"
+    config.write_text(yaml.safe_dump({
+        "node_name": "test-node", "state_dir": str(tmp_path / "state"), "profiling": {"root": str(tmp_path / "p")},
+        "log": {"level": "error"}, "http": {"listen": "127.0.0.1:0"}, "grpc": {"listen": "127.0.0.1:0"},
+        "devices": {"backend": "simulated", "simulated": {"devices": 2}}}))
+    command = ["run", "--config", str(config)]
+    command = ["--log-level", "debug", *command] if where == "before the command" else [*command, "--log-level", "debug"]
+    agent = subprocess.Popen([sys.executable, "-m", "agent", *command], cwd=REPO, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    levels: set[str] = set()
+    threading.Thread(target=lambda: levels.update(json.loads(line)["level"] for line in agent.stderr
+                                                  if line.startswith("{")), daemon=True).start()
+    try:  # the agent logs at debug from its start (at "error" it would say nothing at all)
+        wait_until(lambda: {"debug", "info"} <= levels, 20, lambda: f"debug and info lines; got {levels}")
+    finally:
+        agent.terminate()
+        assert agent.wait(15) == 0
+
+
+def test_log_level_is_checked():
+    result = cli("run", "--log-level", "verbose")
+    assert result.returncode == 2
+    assert "argument --log-level: invalid choice: 'verbose'" in result.stderr
+
+
+def test_check_config_lists_type_and_value_problems_at_once_with_suggestions(tmp_path):
+    path = tmp_path / "agent.yaml"
+    path.write_text(yaml.safe_dump({"devices": {"pol_interval_seconds": 1, "backend": "nvml",
+                                                "call_timeout_seconds": "2"}, "grpc": {"listen": "nowhere"}}))
+    result = cli("check-config", str(path))
+    assert result.returncode == 2
+    assert sorted(result.stderr.splitlines()) == sorted([
+        "devices.pol_interval_seconds: unknown key (known: backend, call_timeout_seconds, dcmi_library, "
+        "poll_interval_seconds, simulated)",
+        "devices.pol_interval_seconds: did you mean devices.poll_interval_seconds?",
+        "devices.call_timeout_seconds: expected a number, got '2'",
+        "devices.backend: 'nvml' is not dcmi or simulated",
+        "grpc.listen: 'nowhere' is not HOST:PORT"])
 
 
 def test_check_config(tmp_path):
@@ -137,13 +217,25 @@ def test_demo_shows_faults_appearing_escalating_and_clearing(tmp_path):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "http://127.0.0.1:" in out and "/metrics" in out and "npu-node-agent faults --target" in out
-    assert "NPU1 unhealthy SeparateNPU" in out  # appearing
-    assert "80E18005 ManuallySeparateNPU by FaultFrequency" in out  # escalating by frequency
-    assert "81078603 PreSeparateNPU by FaultDuration" in out  # escalating by duration
-    assert "NPU3 healthy   NormalNPU" in out  # clearing (found and cleared by polling)
+    assert "LEVEL   the agent's verdict" in out and "HEALTH  the driver's own reading of the chip" in out  # the legend
+    assert re.search(r"rev 1-8 NPU0-7 +NormalNPU +healthy +first reading of 8 NPU\(s\): no fault", out), out
+    # Appearing, with the pod holding the NPU; the driver's health follows at the next poll (or in the same line).
+    assert re.search(r"NPU1 +SeparateNPU +(un)?healthy +80E18402 occurred: SeparateNPU(; driver health healthy -> "
+                     r"unhealthy)?  \[pod demo/demo-job-worker-0\]", out), out
+    assert "80E18005 occurred: ManuallySeparateNPU by FaultFrequency" in out  # escalating by frequency
+    assert "81078603 NotHandleFault -> PreSeparateNPU by FaultDuration  [pod demo/demo-job-worker-1]" in out
+    # Held by its rule on a chip the driver calls healthy again: one line that says so, not a contradiction.
+    assert "driver health unhealthy -> healthy; 80E18005 stays ManuallySeparateNPU (held by FaultFrequency)" in out
+    assert re.search(r"NPU3 +NormalNPU +healthy +80C98009 cleared", out), out  # found and cleared by polling
     assert "ClusterD <- occur   020011001 NPU1 SeparateNPU pod demo/demo-job-worker-0" in out  # with its pod
-    assert "80E18402 SeparateNPU [pod demo/demo-job-worker-0]" in out  # fault changes name the pod
-    assert "NPU6 unhealthy" in out and "[pod demo/demo-job-worker-1]" in out  # the demo kubelet's other pod
+    # Every revision printed once, none twice, none left out: `rev 1-8` (the first readings), `rev 9,10` (a fault
+    # and the health polled within 0.5 s of it: tests/unit/test_demo_changes.py), `rev 11`.
+    revisions = []
+    for said in re.findall(r"\] rev ([\d,-]+) ", out):
+        for part in said.split(","):
+            first, _, last = part.partition("-")
+            revisions += range(int(first), int(last or first) + 1)
+    assert sorted(revisions) == list(range(1, len(revisions) + 1)) and len(revisions) > 20, revisions
     assert "ClusterD <- recover 020011001 NPU1 SeparateNPU" in out
     assert "DROPPED" not in out
     assert "disk guard: over 1 MiB -> aged " in out  # the simulated job's records

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from testkit.fakes.clusterd import ClusterdStandIn, OtherSender
+from testkit.fakes.clusterd import DEFAULT_CONFIG, ClusterdStandIn, OtherSender
 from testkit.wait import wait_until
 from tests.integration.conftest import phy
 from tests.support.clock import FakeClock
@@ -212,7 +212,9 @@ def test_a_reassertion_that_waits_out_an_outage_never_raises_a_fault_recovered_m
 
 
 def test_a_slow_periodic_reconciliation_repairs_what_nothing_signalled(start_agent, clusterd):
-    agent, fake = start_agent(devices={"poll_interval_seconds": 1}, **with_clusterd(clusterd, reconcile_interval_seconds=30))
+    # (a small cluster: the period is the configured one, not stretched to share ClusterD's budget)
+    agent, fake = start_agent(devices={"poll_interval_seconds": 1},
+                              **with_clusterd(clusterd, reconcile_interval_seconds=30, cluster_nodes=1))
     fake.occur(2, HBM)
     clusterd.wait_for(lambda s: phy(2) in held(s), timeout=3)
     settled(clusterd, agent)
@@ -431,3 +433,82 @@ def test_a_full_then_read_only_state_dir_pauses_delivery_and_it_resumes_with_not
     assert agent.metric("npu_agent_state_write_failures_total", file="fault log") >= 1
     agent.wait_for_log("fault log written again")
     no_silent_drops(clusterd)
+
+
+SUBHEALTH = 0x81A3880C  # SubHealthFault: public 010011001
+
+
+@pytest.fixture
+def start_agent_of(start_agent):
+    def start(standin: ClusterdStandIn, **settings):
+        return start_agent(devices={"poll_interval_seconds": 1}, **with_clusterd(standin, **settings))
+    return start
+
+
+def test_a_node_of_a_large_cluster_closes_its_connection_when_idle_and_opens_one_to_send(start_agent_of):
+    with ClusterdStandIn(listener_cap=(1024, 512)) as clusterd:
+        agent, fake = start_agent_of(clusterd, cluster_nodes=1000, idle_disconnect_seconds=10)
+        fake.occur(2, HBM)
+        clusterd.wait_for(lambda s: phy(2) in held(s), timeout=4)
+        assert clusterd.connections[0] == 1
+        clusterd.wait_for(lambda s: s.connections[0] == 0, timeout=15)  # 10 s after its last request
+        fake.recover(2, HBM)
+        clusterd.wait_for(lambda s: occurrences(s, 2) == [["occur", "recover"]], timeout=4)
+        assert clusterd.connections[1] >= 1
+        no_silent_drops(clusterd)
+
+
+def test_a_node_of_a_small_cluster_stays_connected_while_it_holds_faults(start_agent_of):
+    with ClusterdStandIn(listener_cap=(1024, 512)) as clusterd:
+        agent, fake = start_agent_of(clusterd, cluster_nodes=16, idle_disconnect_seconds=10)
+        fake.occur(2, HBM)
+        clusterd.wait_for(lambda s: phy(2) in held(s), timeout=4)
+        time.sleep(12)  # (the idle period passing; nothing to poll for)
+        assert clusterd.connections[0] == 1
+        clusterd.restart(persisted=False)  # so a restart that lost everything is repaired at once
+        clusterd.wait_for(lambda s: phy(2) in held(s), timeout=10)
+        no_silent_drops(clusterd)
+
+
+def test_a_severe_fault_raised_while_a_refused_mild_one_waits_goes_with_it(start_agent_of):
+    """ClusterD's budget is spent (a refill of one request per 100 s here): the mild fault's request is
+    refused and waits for its turn; the severe fault logged meanwhile is in the next try, not after it."""
+    with ClusterdStandIn(rate_per_s=0.01, burst=1) as clusterd:
+        agent, fake = start_agent_of(clusterd)
+        fake.occur(1, HBM)  # takes the one token
+        clusterd.wait_for(lambda s: phy(1) in held(s), timeout=4)
+        fake.occur(2, SUBHEALTH)
+        clusterd.wait_for(lambda s: any(r.code == 410 for r in s.requests), timeout=4)
+        fake.occur(3, HBM)
+        wait_until(lambda: agent.fault_of(phy(3)), 3, "the severe fault seen by the agent")
+        clusterd.refill_now()
+        clusterd.wait_for(lambda s: phy(3) in held(s), timeout=25)
+        [request] = [r.request for r in clusterd.requests if r.code == 0 and any(
+            f.influence[0].deviceIds[0] == phy(3) for f in r.request.faults)]
+        assert {f.influence[0].deviceIds[0] for f in request.faults} == {phy(2), phy(3)}
+        assert held(clusterd) == {phy(1): {SEPARATE}, phy(2): {"010011001"}, phy(3): {SEPARATE}}
+        assert clusterd.dropped_faults() == [] and {r.code for r in clusterd.requests} == {0, 410}
+
+
+def test_a_node_sends_under_its_own_resource_and_moves_its_faults_when_the_resources_change(start_agent_of):
+    from agent.sinks.clusterd.pacing import resource_of
+    shards = ["npu-node-agent-a", "npu-node-agent-b", "npu-node-agent-c"]
+    config = {**DEFAULT_CONFIG, "publicFaultResource": [*DEFAULT_CONFIG["publicFaultResource"], *shards]}
+    with ClusterdStandIn(config) as clusterd:
+        first = resource_of(NODE, "", shards[:2])
+        agent, fake = start_agent_of(clusterd, resources=",".join(shards[:2]))
+        fake.occur(0, HBM)
+        clusterd.wait_for(lambda s: phy(0) in held(s), timeout=4)
+        [(_, resource, old_key)] = clusterd.active()
+        assert resource == first
+        agent.stop()
+        fake.close()
+        moved = next(r for r in shards if r != first)
+        agent, fake = start_agent_of(clusterd, resources=moved)  # the driver starts healthy again
+        fake.occur(1, HBM)
+        clusterd.wait_for(lambda s: {key[1] for key in s.active()} == {moved} and phy(1) in held(s), timeout=15)
+        assert [r.request.resource for r in clusterd.requests if any(
+            f.faultId == old_key and f.assertion == "recover" for f in r.request.faults)] == [first]
+        settled(clusterd, agent)
+        assert held(clusterd) == {phy(1): {SEPARATE}}
+        no_silent_drops(clusterd)

@@ -11,6 +11,7 @@ import pytest
 from agent._proto import pubfault_pb2 as pb
 from agent._proto import pubfault_pb2_grpc as pb_grpc
 from testkit.fakes.clusterd import DEFAULT_CONFIG, ClusterdStandIn, OtherSender
+from testkit.wait import wait_until
 from tests.support.clock import FakeClock
 
 T0 = 1_760_000_000.0  # fake-clock start, seconds
@@ -474,3 +475,69 @@ def test_other_sender_keeps_the_delete_queue_busy():
         started = time.monotonic()
     assert time.monotonic() - started < 1.5  # stopping the sender doesn't wait for a full interval
     assert sender.sent >= 5 and sender.rejected == sender.failed == 0
+
+
+def test_unary_calls_over_the_interceptors_rate_fail_unknown_before_the_handler(clock):
+    with ClusterdStandIn(clock=clock, unary_qps=2) as clusterd:
+        client = Client(clusterd.port)
+        assert [client.send(request(id=f"req-0000000{i}")).code for i in range(2)] == [0, 0]
+        with pytest.raises(grpc.RpcError) as caught:
+            client.send(request(id="req-00000003"))
+        assert caught.value.code() == grpc.StatusCode.UNKNOWN
+        assert caught.value.details() == "qps exceeded, method=/PubFault/SendPublicFault"
+        assert len(clusterd.requests) == 2 and clusterd.qps_exceeded == 1  # no token of the resource spent
+        clock.advance(0.5)
+        assert client.send(request(id="req-00000004")).code == 0
+        client.channel.close()
+
+
+def own_connection(port: int) -> Client:
+    client = Client.__new__(Client)
+    client.channel = grpc.insecure_channel(f"127.0.0.1:{port}",
+                                           options=[*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
+    client.stub = pb_grpc.PubFaultStub(client.channel)
+    return client
+
+
+@pytest.mark.parametrize("cap, in_grpc", [((2, None), False), ((10, 2), False), ((2, None), True)])
+def test_connections_over_the_listeners_cap_are_reset_and_admitted_once_one_closes(clock, cap, in_grpc):
+    with ClusterdStandIn(clock=clock, listener_cap=cap, cap_in_grpc=in_grpc) as clusterd:
+        first, second, third = (own_connection(clusterd.port) for _ in range(3))
+        assert first.send(request(id="req-00000001")).code == 0
+        assert second.send(request(id="req-00000002")).code == 0
+        with pytest.raises(grpc.RpcError) as caught:
+            third.send(request(id="req-00000003"))
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert clusterd.connections[:2] == (2, 2)
+        if not in_grpc:  # gRPC's own cap: refusals are a lower bound from the socket table (CoreCap)
+            assert clusterd.connections[2] >= 1
+        assert len(clusterd.requests) == 2
+        first.channel.close()
+        wait_until(lambda: clusterd.connections[0] == 1, 5, "the closed connection released")
+        wait_until(lambda: _sends(third), 5, "the third client admitted")
+        second.channel.close()
+        third.channel.close()
+
+
+def _sends(client: Client) -> bool:
+    try:
+        return client.send(request(id="req-00000009"), timeout=1).code == 0
+    except grpc.RpcError:
+        return False
+
+
+@pytest.mark.parametrize("in_grpc", [False, True])
+def test_a_stop_closes_every_connection_of_the_capped_listener_and_a_start_listens_again(clock, in_grpc):
+    with ClusterdStandIn(clock=clock, listener_cap=(4, None), cap_in_grpc=in_grpc) as clusterd:
+        client = own_connection(clusterd.port)
+        assert client.send(request()).code == 0
+        assert clusterd.connections[0] == 1
+        clusterd.stop()
+        assert clusterd.connections[0] == 0
+        with pytest.raises(grpc.RpcError) as caught:
+            client.send(request(id="req-00000002"), timeout=1)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        clusterd.start()
+        wait_until(lambda: _sends(client), 10, "the client connects to the restarted stand-in")
+        assert clusterd.connections[0] == 1
+        client.channel.close()

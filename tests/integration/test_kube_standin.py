@@ -209,8 +209,8 @@ def test_unknown_paths_and_unsupported_methods(api):
     with pytest.raises(ApiException) as err:
         api.delete_collection_namespaced_config_map(NS)
     assert err.value.status == 405
-    with pytest.raises(ApiException) as err:  # JSON Patch (a list body) is not supported
-        api.patch_namespaced_config_map("cm", NS, [{"op": "add", "path": "/data", "value": {}}])
+    with pytest.raises(ApiException) as err:  # server-side apply is not served
+        api.patch_namespaced_config_map("cm", NS, {"data": {}}, _content_type="application/apply-patch+yaml")
     assert err.value.status == 415
 
 

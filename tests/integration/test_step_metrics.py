@@ -72,7 +72,10 @@ def test_live_records_become_step_metrics_a_slow_rank_is_flagged_and_a_restart_c
     assert agent.metric("training_step_duration_seconds_count", clock="device", **labels) == 80
     total = agent.metric("training_step_duration_seconds_sum", clock="device", **labels)
     assert 80 * STEP_S * 0.95 < total < 80 * STEP_S * 1.05
-    assert agent.metric("training_phase_duration_seconds_count", phase="forward", **labels) == 80
+    # The distributions are the job's on the node: every rank's steps in one histogram.
+    assert agent.metric("training_node_step_duration_seconds_count", clock="device", **NO_KUBE) == 4 * 80
+    assert agent.metric("training_node_phase_duration_seconds_count", phase="forward", **NO_KUBE) == 4 * 80
+    assert agent.metric("training_node_step_duration_seconds_bucket", clock="device", le="+Inf", **NO_KUBE) == 4 * 80
     assert abs(agent.metric("training_step_last_completed_timestamp_seconds", **labels) - writer.start_s) < 0.01
     assert 0.95 * STEP_S < agent.metric("training_step_baseline_seconds", **labels) < 1.05 * STEP_S
     assert agent.metric("training_rank_slow", reason="compute", **labels) == 0

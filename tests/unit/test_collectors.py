@@ -14,6 +14,8 @@ from agent.metrics import make_registry
 from agent.model import Sink
 from agent.sinks.clusterd.sink import ClusterdSink
 from agent.sinks.configmap.sink import DeviceInfoConfigMapSink
+from agent.sinks.events.sink import KubeEventsSink
+from agent.sinks.nodecondition.sink import NodeConditionSink
 from tests.support import gendocs
 
 COLLECTORS = gendocs.collector_classes()
@@ -51,8 +53,12 @@ def test_the_registry_refuses_a_second_collector_of_a_family():
 
 def test_every_sink_is_a_sink():
     empty_log = gendocs.Nothing()  # a fault log with nothing in it
+    kube, hub = Executor(name="test").lane("kube"), FaultHub("n")
     sinks = [ClusterdSink(ClusterdConfig(), "n", empty_log),
-             DeviceInfoConfigMapSink("n", FaultHub("n"), lambda: "910B3", kube=Executor(name="test").lane("kube"))]
-    assert [isinstance(sink, Sink) for sink in sinks] == [True, True]
-    assert [[write.what for write in sink.writes] for sink in sinks] == [["ClusterD sink's cursor"], []]
+             DeviceInfoConfigMapSink("n", hub, lambda: "910B3", kube=kube),
+             NodeConditionSink("n", hub, lambda phy: (), polled=lambda: True, driver_problem=lambda: "", kube=kube),
+             KubeEventsSink("n", hub, lambda phy: (), kube=kube)]
+    assert [isinstance(sink, Sink) for sink in sinks] == [True] * 4
+    assert [[write.what for write in sink.writes] for sink in sinks] == [["ClusterD sink's cursor"], [], [], []]
+    assert len({sink.name for sink in sinks}) == 4  # their `sink` label tells them apart
     assert not isinstance(FaultHub("n"), Sink)  # the stream's hub is not delivered to from the log

@@ -165,3 +165,59 @@ def test_a_listen_host_may_come_from_the_environment(value, address):
     with pytest.raises(ConfigError) as info:
         config_from_dict({"http": {"listen": "${POD_IP}:9410"}}, environ={"NODE_NAME": "n"})
     assert info.value.problems == ["http.listen: '${POD_IP}:9410': POD_IP is not set in the environment"]
+
+
+def test_every_problem_is_listed_at_once_type_and_value_problems_alike():
+    """One pass: a key of the wrong type is reported and its value checks skipped (and those that refer
+    to it), every other key is still checked."""
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"devices": {"poll_interval_seconds": "5", "backend": "nvml"}, "http": {"listen": "9410"},
+                          "tls": {"cert_file": 5, "key_file": "/k.pem"},  # key_file needs cert_file: not said again
+                          "kubernetes": "yes", "datatrace": {"enabled": True}},  # idem: needs kubernetes.enabled
+                         environ={"NODE_NAME": "n"})
+    assert sorted(info.value.problems) == sorted([
+        "devices.poll_interval_seconds: expected a number, got '5'",
+        "devices.backend: 'nvml' is not dcmi or simulated",
+        "http.listen: '9410' is not HOST:PORT",
+        "tls.cert_file: expected a string, got 5 (quote it)",
+        "kubernetes: expected a mapping, got str",
+    ])
+
+
+def test_a_wrong_type_skips_the_floor_check_that_reads_it():
+    """taskd_proxy.node_buffer_mb's minimum is job_buffer_mb: with job_buffer_mb unreadable, its default
+    (32) would stand in and make 16 look too small."""
+    document = {"taskd_proxy": {"job_buffer_mb": "16", "node_buffer_mb": 16}}
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(document, environ={"NODE_NAME": "n"})
+    assert info.value.problems == ["taskd_proxy.job_buffer_mb: expected an integer, got '16'"]
+    document["taskd_proxy"]["job_buffer_mb"] = 16
+    assert config_from_dict(document, environ={"NODE_NAME": "n"}).taskd_proxy.node_buffer_mb == 16
+
+
+@pytest.mark.parametrize("document,suggestion", [
+    ({"devices": {"pol_interval_seconds": 3}}, "devices.pol_interval_seconds: did you mean devices.poll_interval_seconds?"),
+    ({"devices": {"simulated": {"device": 8}}}, "devices.simulated.device: did you mean devices.simulated.devices?"),
+    ({"clusterd": {"adress": "x:1"}}, "clusterd.adress: did you mean clusterd.address?"),
+    ({"device": {}}, "device: did you mean devices?"),
+    ({"poll_interval_seconds": 2}, "poll_interval_seconds: did you mean devices.poll_interval_seconds?"),  # wrong level
+    ({"devices": {"simulated": {"poll_interval_seconds": 2}}},
+     "devices.simulated.poll_interval_seconds: did you mean devices.poll_interval_seconds?"),
+    ({"log_level": "debug"}, "log_level: did you mean log.level?"),
+    ({"simulated": {"devices": 3}}, "simulated: did you mean devices.simulated?"),  # a section, for a mapping
+    ({"devices.simulated.devices": 3},
+     "devices.simulated.devices: a dotted key is not nested: write devices: {simulated: {devices: ...}}"),
+])
+def test_a_misspelt_or_misplaced_key_gets_a_suggestion(document, suggestion):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(document, environ={"NODE_NAME": "n"})
+    unknown, hint = info.value.problems  # the unknown-key line as it always was, then the suggestion
+    assert unknown.startswith(suggestion.split(":")[0] + ": unknown key (known: ")
+    assert hint == suggestion
+
+
+@pytest.mark.parametrize("document", [{"grpc": {"port": 1}}, {"enabled": True}, {"zzz": {}}, {7: 1}])
+def test_nothing_close_or_too_many_alike_gets_no_suggestion(document):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(document, environ={"NODE_NAME": "n"})
+    assert len(info.value.problems) == 1 and "unknown key" in info.value.problems[0]

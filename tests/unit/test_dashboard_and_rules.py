@@ -29,20 +29,20 @@ DASHBOARD = FILES / "grafana-dashboard.json"
 
 PER_RANK = frozenset({"node", "namespace", "job_name", "job_id", "rank", "pp_stage"})
 PER_WORKER = frozenset({"node", "namespace", "job_name", "job_id", "pp_stage", "worker"})
+PER_JOB = frozenset({"node", "namespace", "job_name", "job_id"})  # a job's ranks on one node
 WORKER = PER_WORKER - {"node"}  # a worker whichever nodes its ranks are on
 CONTAINER = frozenset({"namespace", "pod_name", "container_name"})
 METRICS: dict[str, tuple[str, frozenset[str]]] = {
-    "training_step_duration_seconds": ("histogram", PER_RANK | {"clock"}),
+    "training_step_duration_seconds": ("summary", PER_RANK | {"clock"}),
+    "training_node_step_duration_seconds": ("histogram", PER_JOB | {"clock"}),
+    "training_node_phase_duration_seconds": ("histogram", PER_JOB | {"phase"}),
     "training_step_last_duration_seconds": ("gauge", PER_RANK),
     "training_step_last_completed_timestamp_seconds": ("gauge", PER_RANK),
     "training_steps_completed_total": ("counter", PER_RANK),
-    "training_phase_duration_seconds": ("histogram", PER_RANK | {"phase"}),
     "training_step_baseline_seconds": ("gauge", PER_RANK),
     "training_rank_slowdown_ratio": ("gauge", PER_RANK),
-    "training_rank_compute_seconds": ("gauge", PER_RANK),
     "training_rank_slow": ("gauge", PER_RANK | {"reason"}),
-    "training_node_slow": ("gauge", frozenset({"node", "namespace", "job_name", "job_id", "reason"})),
-    "training_slow_detections_total": ("counter", PER_RANK | {"reason"}),
+    "training_node_slow": ("gauge", PER_JOB | {"reason"}),
     "training_profiling_records_total": ("counter", frozenset({"node", "job_id", "rank"})),
     "training_profiling_parse_errors_total": ("counter", frozenset({"node", "reason"})),
     "training_profiling_lag_seconds": ("gauge", frozenset({"node", "job_id", "rank"})),
@@ -66,27 +66,47 @@ METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "npu_agent_task_restarts_total": ("counter", frozenset({"node", "task"})),
     "npu_agent_profiling_disk_usage_bytes": ("gauge", frozenset({"node"})),
     "npu_agent_profiling_disk_limit_bytes": ("gauge", frozenset({"node"})),
+    "npu_agent_build_info": ("gauge", frozenset({"node", "version"})),
+}
+# kube-state-metrics' series the presence alerts read (its docs/metrics: pod, node and DaemonSet
+# metrics), with the labels it exports. Its scrape adds target labels too (job, instance, and with
+# honorLabels its own pod where a series has none): the rules aggregate them away.
+DAEMONSET = frozenset({"namespace", "daemonset"})
+METRICS |= {
+    "kube_pod_info": ("gauge", frozenset({"namespace", "pod", "uid", "node", "host_ip", "pod_ip", "created_by_kind",
+                                          "created_by_name", "priority_class", "host_network"})),
+    "kube_pod_status_ready": ("gauge", frozenset({"namespace", "pod", "uid", "condition"})),
+    "kube_node_status_condition": ("gauge", frozenset({"node", "condition", "status"})),
+    "kube_daemonset_status_desired_number_scheduled": ("gauge", DAEMONSET),
+    "kube_daemonset_status_current_number_scheduled": ("gauge", DAEMONSET),
+    "kube_daemonset_status_updated_number_scheduled": ("gauge", DAEMONSET),
+    "kube_daemonset_status_number_available": ("gauge", DAEMONSET),
 }
 VALUES: dict[tuple[str, str], set[str]] = {
     ("training_step_duration_seconds", "clock"): {"device", "host"},
-    ("training_phase_duration_seconds", "phase"): {"forward", "dataloader", "save_checkpoint"},
+    ("training_node_step_duration_seconds", "clock"): {"device", "host"},
+    ("training_node_phase_duration_seconds", "phase"): {"forward", "dataloader", "save_checkpoint"},
     ("training_rank_slow", "reason"): {"temporal", "compute", "io"},
-    ("training_slow_detections_total", "reason"): {"temporal", "compute", "io"},
     ("training_node_slow", "reason"): {"ranks", "host"},
     ("training_worker_slow", "reason"): {"compute", "io"},
     ("training_worker_compute_seconds", "window"): {"8", "32", "128"},
     ("training_worker_compute_stderr_seconds", "window"): {"8", "32", "128"},
     ("npu_agent_sink_last_success_timestamp_seconds", "sink"): {"clusterd", "configmap", "stream"},
     ("npu_agent_fault_rule_reloads_total", "result"): {"success", "failure"},
+    ("kube_pod_status_ready", "condition"): {"true", "false", "unknown"},
+    ("kube_node_status_condition", "status"): {"true", "false", "unknown"},
+    ("kube_pod_info", "created_by_kind"): {"DaemonSet", "ReplicaSet", "StatefulSet", "Job", "Node", "<none>"},
 }
 
 
 def exported_series() -> dict[str, tuple[str, frozenset[str]]]:
-    """Series name -> (metric name, labels): a histogram is its _bucket (with le), _sum and _count."""
+    """Series name -> (metric name, labels): a histogram is its _bucket (with le), _sum and _count, a
+    summary (without quantiles) its _sum and _count."""
     series = {}
     for name, (kind, labels) in METRICS.items():
         if kind == "histogram":
             series[name + "_bucket"] = (name, labels | {"le"})
+        if kind in ("histogram", "summary"):
             series[name + "_sum"] = (name, labels)
             series[name + "_count"] = (name, labels)
         else:
@@ -199,6 +219,11 @@ class Checker:
             return args[1] - {"le"}
         if name == "label_replace":
             return args[0] | {node.args[1].val}
+        if name in ("absent", "absent_over_time"):  # only the labels its selector fixes with `=`
+            selector = node.args[0]
+            selector = getattr(selector, "vector_selector", selector)
+            return frozenset(m.name for m in selector.matchers.matchers
+                             if m.name != "__name__" and str(m.op) == "MatchOp.Equal")
         return vectors[0] if vectors else None
 
     def binary(self, node) -> frozenset[str] | None:
@@ -268,30 +293,50 @@ def check(expr: str, recorded: dict[str, frozenset[str]]) -> tuple[frozenset[str
     return labels, checker
 
 
+def test_the_contract_is_what_the_agent_exports():
+    """Every training family of the contract is the agent's, of its type, with at least these labels,
+    and every one the agent exports is in it: a family taken out of the agent fails here before any
+    rule or panel reading it is left behind."""
+    from tests.support import gendocs
+
+    exported = {name: (kind, frozenset(labels)) for name, (kind, labels, _) in gendocs.metric_families().items()
+                if name.startswith("training_")}
+    contract = {name: spec for name, spec in METRICS.items() if name.startswith("training_")}
+    assert sorted(contract) == sorted(exported)
+    for name, (kind, labels) in contract.items():
+        assert exported[name][0] == kind and labels <= exported[name][1], name
+
+
 def test_the_checker_catches_what_it_is_for():
     """The checks below pass because the files are right, not because the checker sees nothing."""
     cases = {
-        "training_rank_compute_second": "unknown metric",
-        "training_step_duration_seconds": "unknown metric",  # a histogram has no bare series
-        "sum by (stage) (training_rank_compute_seconds)": "not labels of its argument",
+        "training_rank_slowdown_rati": "unknown metric",
+        "training_node_step_duration_seconds": "unknown metric",  # a histogram has no bare series
+        "training_step_duration_seconds": "unknown metric",  # nor a summary
+        "training_step_duration_seconds_bucket": "unknown metric",  # a summary has no buckets (its job's histogram has)
+        "sum by (stage) (training_rank_slowdown_ratio)": "not labels of its argument",
         'training_rank_slow{reason="host"}': "not one of",
         'training_node_slow{rank="1"}': "has no label",
-        "training_rank_compute_seconds / on (job_id, pp_stage) group_left training_node_slow": "not labels of its right side",
-        "training_rank_compute_seconds / on (job_id) group_left (rank) training_node_slow": "group_left ['rank']",
-        "training_rank_compute_seconds / sum by (job_id) (training_rank_compute_seconds)": "nothing matches",
-        "histogram_quantile(0.5, training_rank_compute_seconds)": "without le",
-        "training_rank_compute_seconds / on (job_id) group_left training_rank_compute_seconds": "has more labels",
+        "training_rank_slowdown_ratio / on (job_id, pp_stage) group_left training_node_slow":
+            "not labels of its right side",
+        "training_rank_slowdown_ratio / on (job_id) group_left (rank) training_node_slow": "group_left ['rank']",
+        "training_rank_slowdown_ratio / sum by (job_id) (training_rank_slowdown_ratio)": "nothing matches",
+        "histogram_quantile(0.5, training_rank_slowdown_ratio)": "without le",
+        "training_rank_slowdown_ratio / on (job_id) group_left training_rank_slowdown_ratio": "has more labels",
     }
     for expr, message in cases.items():
         _, checker = check(expr, {})
         assert any(message in p for p in checker.problems), (expr, checker.problems)
-    labels, checker = check("histogram_quantile(0.5, sum by (le, rank) (rate(training_step_duration_seconds_bucket[1m])))", {})
-    assert checker.problems == [] and labels == {"rank"}
+    labels, checker = check(
+        "histogram_quantile(0.5, sum by (le, node) (rate(training_node_step_duration_seconds_bucket[1m])))", {})
+    assert checker.problems == [] and labels == {"node"}
     labels, checker = check("x / on (job_id) group_left (job_name) max by (job_id, job_name) (training_node_slow)",
                             {"x": frozenset({"job_id", "rank"})})
     assert checker.problems == [] and labels == {"job_id", "rank", "job_name"}
-    labels, _ = check("training_rank_slow > on (rank) training_rank_compute_seconds", {})
+    labels, _ = check("training_rank_slow > on (rank) training_rank_slowdown_ratio", {})
     assert labels == {"rank"}  # one-to-one matching with on() keeps only those labels
+    labels, _ = check('absent(training_rank_slow{rank="3", reason=~"io|compute"})', {})
+    assert labels == {"rank"}  # absent() has no labels but those its selector fixes
     with pytest.raises(pytest.fail.Exception):
         parse("sum(rate(training_steps_completed_total[5m])")
 
@@ -568,9 +613,11 @@ def test_the_panels_the_readme_shows_exist(dashboard):
     kinds = {p["type"] for p in panels(dashboard)}
     assert {"timeseries", "heatmap", "state-timeline"} <= kinds
     heat = next(p for p in panels(dashboard) if p["type"] == "heatmap")
-    assert heat["targets"][0]["format"] == "heatmap" and names(heat) == {"training_step_duration_seconds_bucket"}
+    assert heat["targets"][0]["format"] == "heatmap" and names(heat) == {"training_node_step_duration_seconds_bucket"}
     expected = {
-        "training_step_duration_seconds_bucket", "training_step_last_duration_seconds", "training_rank_slowdown_ratio",
+        "training_step_duration_seconds_sum", "training_step_duration_seconds_count",
+        "training_node_step_duration_seconds_bucket", "training_node_phase_duration_seconds_bucket",
+        "training_step_last_duration_seconds", "training_rank_slowdown_ratio",
         "training_worker_compute_seconds", "training_worker_slow", "training_worker_info", "training_rank_slow",
         "training_node_slow", "training_step_open_since_timestamp_seconds", "training_profiling_lag_seconds",
         "training_profiling_parse_errors_total", "training_steps_completed_total",
@@ -578,3 +625,11 @@ def test_the_panels_the_readme_shows_exist(dashboard):
     assert expected <= set().union(*(names(p) for p in by_title.values()))
     timeline = [p for p in panels(dashboard) if p["type"] == "state-timeline" and "training_rank_slow" in names(p)]
     assert timeline and any(t["expr"].rstrip().endswith("== 1") for p in timeline for t in p["targets"])
+
+
+def test_every_alert_is_listed_in_the_monitoring_docs(rules):
+    """docs/monitoring.md's table is where operators look an alert up; every one is there, once."""
+    rows = re.findall(r"^\| `([A-Za-z0-9]+)` \| (critical|warning|info) \|", (REPO / "docs" / "monitoring.md").read_text(), re.M)
+    severity = {r["alert"]: r["labels"]["severity"] for r in all_rules(rules) if "alert" in r}
+    assert sorted(name for name, _ in rows) == sorted(severity)
+    assert {name: level for name, level in rows} == severity

@@ -23,8 +23,9 @@ def test_every_training_family_of_a_job_names_the_job_in_full():
                 if name.startswith("training_")}
     per_node = {"training_profiling_parse_errors_total"}  # see its HELP: not every reason has a job
     assert [name for name, labels in families.items() if name not in per_node and not JOB_LABELS <= labels] == []
-    # Below the job, a family is per rank or per worker (a TP group, named by its first rank).
-    assert [name for name, labels in families.items() if "job_id" in labels and name != "training_node_slow"
+    # Below the job, a family is per rank or per worker (a TP group, named by its first rank), or
+    # `training_node_*`: the job's ranks on this node together.
+    assert [name for name, labels in families.items() if "job_id" in labels and not name.startswith("training_node_")
             and not labels & {"rank", "worker"}] == []
     assert all("pp_stage" in labels for name, labels in families.items() if "worker" in labels)
 

@@ -18,6 +18,7 @@ from agent.steps.consumer import (ACTIVE_GRACE_S, GONE_GRACE_S, IDLE_GRACE_S, LO
                                   pipeline_stage, tensor_group)
 from agent.steps.pairing import MAX_OPEN
 from agent.steps.cursors import Position
+from testkit.training.job import TrainingJob
 from testkit.wait import until
 from tests.support.clock import FakeClock as Clock
 
@@ -343,3 +344,75 @@ def test_worker_families_are_exported_while_the_worker_trains(tmp_path):
     metrics = scrape(steps, clock)
     assert not [k for k in metrics if k.startswith(("training_worker_compute", "training_worker_slow"))]
     assert metrics["training_worker_info{pod_name=,pp_stage=,ranks=0-1,worker=0}"] == 1
+
+
+def test_a_rank_has_the_count_and_sum_of_its_steps_and_its_job_the_histograms_which_never_go_back(tmp_path):
+    clock = Clock()
+    steps, _ = consumer(tmp_path, clock)
+    lines = job_lines(5)  # steps of 0.5 s
+    other = RankKey("job", 1)
+    for key in (KEY, other):
+        steps.on_lines(key, "1800000000", 0, b"".join(lines[:3]))
+    steps.on_batch_end()
+    metrics = scrape(steps, clock)
+    assert metrics["training_step_duration_seconds_count{clock=device,pp_stage=,rank=0}"] == 3
+    total = metrics["training_step_duration_seconds_sum{clock=device,pp_stage=,rank=0}"]
+    assert 3 * 0.5 * 0.95 < total < 3 * 0.5 * 1.05
+    assert not [k for k in metrics if k.startswith("training_step_duration_seconds_bucket")]  # no bucket per rank
+    assert metrics["training_node_step_duration_seconds_count{clock=device}"] == 6  # both ranks' steps
+    assert metrics["training_node_step_duration_seconds_bucket{clock=device,le=0.25}"] == 0
+    assert metrics["training_node_step_duration_seconds_bucket{clock=device,le=1.0}"] == 6
+    assert metrics["training_node_phase_duration_seconds_count{phase=forward}"] == 6
+    assert metrics["training_node_phase_duration_seconds_count{phase=dataloader}"] == 6
+    assert not [k for k in metrics if "phase=save_checkpoint" in k]  # no checkpoint saved yet
+    # A rank that leaves takes none of its steps out of the job's histograms (they are counters).
+    steps.on_rank_gone(KEY)
+    clock.advance(GONE_GRACE_S + 1)
+    steps.on_lines(other, "1800000000", len(b"".join(lines[:3])), b"".join(lines[3:]))
+    steps.on_batch_end()
+    steps.upkeep()
+    metrics = scrape(steps, clock)
+    assert "training_step_duration_seconds_count{clock=device,pp_stage=,rank=0}" not in metrics
+    assert metrics["training_node_step_duration_seconds_count{clock=device}"] == 8
+    # The last rank of the job leaves: so do its histograms, from the scrape and from memory.
+    clock.advance(IDLE_GRACE_S + 1)
+    steps.upkeep()
+    assert not [k for k in scrape(steps, clock) if k.startswith("training_node_")] and steps.jobs == {}
+
+
+def node_scrape(ranks: int, tmp_path: Path) -> tuple[int, dict[str, int]]:
+    """(series of the step families, series by where they grow) of a node holding `ranks` ranks of
+    one job at TP 1 (a worker per rank: the most series a rank can bring), every rank training with
+    every worker window filled."""
+    job = TrainingJob(tp=1, dp=ranks // 4, pp=4, ranks_per_node=ranks, job_id="job", steps=None,
+                      start_wall=1_800_000_000.0)
+    clock = Clock(job.start_wall)
+    steps, _ = consumer(tmp_path / str(ranks), clock)
+    for rank in range(ranks):
+        steps.on_group(RankKey("job", rank), job.parallel_group(rank))
+    offsets = [0] * ranks
+    for flush in job.flushes(job.start_wall + 170.5):  # 20 warm-up steps and the longest window of 128
+        steps.on_lines(RankKey("job", flush.rank), "1800000000", offsets[flush.rank], flush.data)
+        offsets[flush.rank] += len(flush.data)
+        clock.now = flush.wall
+        steps.on_batch_end()
+    where = {"rank": 0, "worker": 0, "job": 0}
+    for family in make_registry(StepCollector("n1", lambda: steps, clock)).collect():
+        for sample in family.samples:
+            unit = next((u for u, label in (("rank", "rank"), ("worker", "worker"), ("job", "job_id"))
+                         if label in sample.labels), None)
+            if unit:
+                where[unit] += 1
+    return sum(where.values()), where
+
+
+def test_a_training_rank_costs_at_most_30_series_its_workers_included(tmp_path):
+    """The series budget (docs/metrics.md): what a node exports grows by at most 30 series per rank,
+    counted as Prometheus would, from two nodes of 8 and 16 ranks."""
+    small, _ = node_scrape(8, tmp_path)
+    large, where = node_scrape(16, tmp_path)
+    assert where["worker"] == 16 * 9  # info, compute and its stderr in 3 windows, 2 verdicts: all read by the rules
+    # + 1: training_checkpoint_open_since_timestamp_seconds, while a rank saves a checkpoint (not here).
+    assert (large - small) / 8 + 1 <= 30
+    assert where["rank"] / 16 + 9 + 1 <= 30
+    assert where["job"] < 100  # the job's histograms and verdicts, whatever its ranks

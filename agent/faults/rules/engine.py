@@ -366,6 +366,10 @@ class FaultEngine:
             if escalation is not None and escalation.level > level:
                 level, escalated_by = escalation.level, FREQUENCY
             since = track.since_ms if track is not None else escalation.since_ms
+            if escalated_by == FREQUENCY:
+                # Held at its escalated level since then: an occurrence within the hold does not move the start
+                # (it did, and the state changed back and forth with every occurrence of the code).
+                since = min(since, escalation.since_ms)
             codes.append(ActiveCode(code, self.table.spell(code), level, since, self._severity.get(code), escalated_by))
         level = max((c.level for c in codes), default=Level.NormalNPU)
         since = min((c.since_ms for c in codes), default=0)

@@ -17,6 +17,16 @@ sends nothing. A re-assertion (or resync) that waits out a ClusterD outage is ma
 sent as built, it would occur faults recovered meanwhile, and ClusterD would hold them for its delete
 delay (5 s and more) after their recover.
 
+At the scale of a cluster (see `pacing`): a request ClusterD refused for its rate is retried after
+a delay that grows with how long the node has waited, so that a storm on many nodes drains at
+ClusterD's rate with fewer refused calls than a fixed backoff; such a retry is planned again from
+the fault log, so a severe fault raised meanwhile goes with it rather than after it. The connection
+is opened for a request and closed `idle_disconnect_seconds` after the last one (ClusterD admits
+1,024 for the whole cluster), except on a small cluster (`cluster_nodes`), where a node holding
+faults stays connected to hear of a ClusterD restart at once. The periodic re-assertion's period
+grows with `cluster_nodes` so that the cluster's re-assertions stay a small share of the budget.
+With `resources`, each node sends under one of them, always the same, by a hash of its name.
+
 The sink never dies: a failed cursor write keeps the cursor in memory and is retried with backoff
 (delivery goes on meanwhile), an unexpected error restarts the delivery loop with backoff, and
 both show on /readyz until they clear.
@@ -37,8 +47,9 @@ from google.protobuf.json_format import MessageToDict
 
 from agent._proto import pubfault_pb2 as pb
 from agent._proto import pubfault_pb2_grpc as pb_grpc
-from agent.config import ClusterdConfig
+from agent.config import ClusterdConfig, resource_names
 from agent.sinks.clusterd.batch import ClusterdView, Transition, current, plan, reassertion, requests, resync
+from agent.sinks.clusterd.pacing import Pacing, reconcile_period_s, resource_of
 from agent.model import Change, PodsOf, no_pods
 from agent.faults.log import FaultLog
 from agent.sinks.clusterd.pubfault import (MAX_FAULTS_PER_REQUEST, PublicFault, fault_problems, public_faults,
@@ -57,7 +68,12 @@ FOLLOW_UP_S = 30.0  # ClusterD reloads its saved cache only after it serves; req
 # Every node notices a ClusterD restart at the same moment, and the new process has a burst of 100
 # requests for the whole cluster: spread the re-assertions (and their follow-ups) a little.
 REASSERT_SPREAD_S = 1.0
+HOLD_CONNECTION_NODES = 256  # up to this `cluster_nodes`, faulty nodes cannot fill a quarter of ClusterD's 1,024
+RECONCILE_BUDGET_SHARE = 0.04  # of each resource's refill, for the whole cluster's periodic re-assertions
 CHANNEL_OPTIONS = [
+    # This channel's connection is its own, not shared with another channel of the process to the same
+    # address (a process running many sinks, as the scale benchmark does, would otherwise use one).
+    ("grpc.use_local_subchannel_pool", 1),
     ("grpc.keepalive_time_ms", 10_000),  # ClusterD answers pings more often than every 3 s with GOAWAY
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
@@ -77,18 +93,30 @@ class ClusterdSink:
 
     def __init__(self, config: ClusterdConfig, node: str, fault_log: FaultLog,
                  clock: Callable[[], float] = time.time, pods_of: PodsOf = no_pods,
-                 devices_known: Callable[[], bool] = lambda: True):
+                 devices_known: Callable[[], bool] = lambda: True, monotonic: Callable[[], float] = time.monotonic):
+        """`clock` is the wall clock (request times), `monotonic` the one of the loop's sleeps (the loop's own)."""
         self._config = config
         self._devices_known = devices_known  # the first poll is done: the log's latest states are current
         self._pods_of = pods_of  # who holds an NPU when its fault is sent (kubelet attribution)
         self._node = node
         self._log = fault_log
         self._clock = clock
-        self._bucket = TokenBucket(REQUESTS_PER_S, REQUEST_BURST, time.monotonic)
+        self._now = monotonic
+        resources = resource_names(config.resources)
+        self._resource = resource_of(node, config.resource, resources)
+        self._hold = config.cluster_nodes <= HOLD_CONNECTION_NODES
+        self._reconcile_s = reconcile_period_s(config.reconcile_interval_seconds, config.cluster_nodes,
+                                               len(resources) or 1, RECONCILE_BUDGET_SHARE)
+        self._pacing = Pacing(monotonic)
+        self._bucket = TokenBucket(REQUESTS_PER_S, REQUEST_BURST, monotonic)
         self._wakeup = asyncio.Event()
         self.tasks = Tasks("clusterd-sink")
-        self._channel: grpc.aio.Channel | None = None
+        self._channel: grpc.aio.Channel | None = None  # open while in use (see _connection)
         self._stub = None
+        self._last_call = 0.0  # monotonic: when the last call ended
+        self._batch_uncertain = False  # a try of the batch being sent failed: it may have been applied
+        self._answered = False  # ClusterD answered a call on the current channel
+        self._left_resource = ""  # the resource a previous run sent under, when it was another
         self._view = ClusterdView()  # what ClusterD holds, as far as it acknowledged
         self._cursor: int | None = None  # acknowledged up to here (saved, or waiting to be saved)
         self._save_at: float | None = None  # monotonic time of the next attempt to save the cursor
@@ -109,10 +137,7 @@ class ClusterdSink:
     # ---- component ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._channel = grpc.aio.insecure_channel(self._config.address, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.PubFaultStub(self._channel)
         self.tasks.start("delivery", self._run)
-        self.tasks.start("connection-watch", self._watch_channel)
 
     async def stop(self) -> None:
         # A clean stop leaves no request in flight (the next start relies on it): let the one on its
@@ -124,6 +149,7 @@ class ClusterdSink:
         await self.tasks.stop()
         if self._channel is not None:
             await self._channel.close(grace=None)
+            self._channel = None
 
     def readiness(self) -> tuple[bool, str]:
         # Delivery lag (ClusterD down) shows in npu_agent_outbox_pending; this is about the agent itself.
@@ -143,26 +169,56 @@ class ClusterdSink:
     def held(self) -> int:
         return len(self._view.held)
 
-    async def _watch_channel(self) -> None:
+    def _connection(self) -> grpc.aio.Channel:
+        """The channel to ClusterD, opened (with its watch) when a request needs it."""
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self._config.address, options=CHANNEL_OPTIONS)
+            self._stub = pb_grpc.PubFaultStub(self._channel)
+            self.tasks.start("connection-watch", lambda channel=self._channel: self._watch_channel(channel))
+            self._answered = False
+        return self._channel
+
+    def _holding(self) -> bool:
+        return self._hold and bool(self._view.held)
+
+    async def _disconnect_when_idle(self) -> float | None:
+        """Close the connection once idle (this sink closes it, so its watch sees no loss); the seconds
+        until that is due, None when there is no connection to close."""
+        if self._channel is None or self._holding():
+            return None
+        left = self._last_call + self._config.idle_disconnect_seconds - self._now()
+        if left > 0 or (self._in_flight is not None and not self._in_flight.done()):
+            return max(left, 1.0)
+        await self._disconnect()
+        return None
+
+    async def _disconnect(self) -> None:
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            await self.tasks.cancel("connection-watch")
+            await channel.close(grace=None)
+
+    async def _watch_channel(self, channel: grpc.aio.Channel) -> None:
         """A connection to ClusterD that drops may be ClusterD restarting: re-assert when it is back.
 
-        While ClusterD should hold faults of this node the channel is kept connected, so a restart
-        is noticed at once; otherwise it idles out (gRPC's idle timeout), as ClusterD admits only
-        1,024 connections for the whole cluster."""
-        state = self._channel.get_state()
+        Only while the sink keeps the channel open: from a request until `idle_disconnect_seconds`
+        after the last one (what ClusterD may lose in a restart that keeps its saved cache is what
+        it was told in the last seconds), or, on a small cluster, while ClusterD should hold faults
+        of this node, so that a restart that lost them all is noticed at once."""
+        state = channel.get_state()
         while True:
-            await self._channel.wait_for_state_change(state)
-            new = self._channel.get_state()
+            await channel.wait_for_state_change(state)
+            new = channel.get_state()
             # It left READY, even if it is READY again by now: on a busy node a restarted ClusterD
             # can be reconnected to before this loop runs, and is empty all the same.
             if state is grpc.ChannelConnectivity.READY:
                 self._reassert_soon("connection lost")
-            if new is grpc.ChannelConnectivity.IDLE and self._view.held:
-                new = self._channel.get_state(try_to_connect=True)
+            if new is grpc.ChannelConnectivity.IDLE and self._holding():
+                new = channel.get_state(try_to_connect=True)
             state = new
 
     def _reassert_soon(self, why: str) -> None:
-        at = time.monotonic() + random.uniform(0, REASSERT_SPREAD_S)
+        at = self._now() + random.uniform(0, REASSERT_SPREAD_S)
         if at < self._reassert_at:
             self._reassert_at, self._reassert_why = at, why
         self._follow_up = True
@@ -176,6 +232,8 @@ class ClusterdSink:
         if self._first_run:
             self._first_run = False
             await self._let_previous_requests_land()
+        if self._left_resource:
+            await self._leave_resource()
         if self._cursor is None:
             while not self._devices_known():  # resynchronise to the devices' state now, not the log's
                 await asyncio.sleep(0.05)
@@ -183,13 +241,15 @@ class ClusterdSink:
         while True:
             self._wakeup.clear()
             more = await self._deliver_once()
-            if time.monotonic() >= self._reassert_at:
+            if self._now() >= self._reassert_at:
                 await self._reassert()
-            if self._save_at is not None and time.monotonic() >= self._save_at:
+            if self._save_at is not None and self._now() >= self._save_at:
                 await self._save()
             if more:
                 continue
-            waits = [self._reassert_at - time.monotonic(), *([self._save_at - time.monotonic()] if self._save_at else [])]
+            idle = await self._disconnect_when_idle()
+            waits = [self._reassert_at - self._now(), *([self._save_at - self._now()] if self._save_at else []),
+                     *([idle] if idle is not None else [])]
             try:
                 await asyncio.wait_for(self._wakeup.wait(), max(0.0, min(waits)))
             except TimeoutError:
@@ -198,6 +258,8 @@ class ClusterdSink:
     def _restore(self) -> None:
         saved = self._log.sink_state(SINK)
         self._cursor = self._log.cursor(SINK)
+        if isinstance(saved, dict) and isinstance(saved.get("resource"), str) and saved["resource"] != self._resource:
+            self._left_resource = saved["resource"]
         try:
             if saved is not None:
                 self._view = ClusterdView.from_dict(saved)
@@ -226,14 +288,25 @@ class ClusterdSink:
         if not changes:
             return False
         step = plan(self._view.held, self._cursor, changes, self._wanted, self._maybe_sent)
+
+        def build() -> list[Transition]:
+            # Planned again at each try while ClusterD applied none of them (refused for its rate, or
+            # not sent yet): a change logged while the node waited its turn (a severe fault after a
+            # mild one) goes with this request rather than a whole wait after it. Once a try failed
+            # it is sent as planned, however long ClusterD is away: it may have been applied (a
+            # connection that broke mid-call), so an occur in it is never left out later.
+            nonlocal step
+            if not self._batch_uncertain:
+                step = plan(self._view.held, self._cursor, self._log.changes_after(self._cursor) or changes,
+                            self._wanted, self._maybe_sent)
+            return step.transitions
+
+        if step.transitions:
+            await self._send(build)
         if step.unsent:
             self.unsent += step.unsent
             log.info("fault occurrences that began and ended before they could be sent; not sent", extra={
                 "occurrences": step.unsent})
-        # Sent as planned, however long ClusterD is away: a try that failed may have been applied (a
-        # connection that broke mid-call), so an occur in it is never left out later.
-        if step.transitions:
-            await self._send(lambda: step.transitions)
         await self._acknowledged(step.transitions, step.held, step.last_revision)
         return self._log.revision > self._cursor
 
@@ -258,11 +331,23 @@ class ClusterdSink:
         self._cursor = revision
         await self._save()
 
+    async def _leave_resource(self) -> None:
+        """The node sends under another resource than its previous run (`resources` changed): ClusterD
+        keys a fault by resource, so the faults held under the old one are recovered there, and the
+        resync that follows raises the current ones under the new one."""
+        old, held = self._left_resource, list(self._view.held.values())
+        log.info("clusterd resource changed; recovering this node's faults under the old one", extra={
+            "old": old, "new": self._resource, "held": len(held)})
+        for chunk in requests([("recover", f) for f in held]):
+            await self._send(lambda chunk=chunk: chunk, resource=old)
+        # (saved by the resync, which starts with a save: a run that dies before leaves again)
+        self._view, self._cursor, self._left_resource = ClusterdView(), None, ""
+
     async def _save(self) -> None:
         try:
-            await self._log.commit_async(SINK, self._cursor, self._view.to_dict())
+            await self._log.commit_async(SINK, self._cursor, {**self._view.to_dict(), "resource": self._resource})
         except OSError as exc:
-            self._save_at = time.monotonic() + self._cursor_writes.failed(exc, revision=self._cursor)
+            self._save_at = self._now() + self._cursor_writes.failed(exc, revision=self._cursor)
             return
         self._save_at = None
         self._cursor_writes.succeeded()
@@ -270,10 +355,10 @@ class ClusterdSink:
     def _next_reassertion(self) -> None:
         if self._follow_up:
             self._follow_up, self._reassert_why = False, "follow-up"
-            self._reassert_at = time.monotonic() + FOLLOW_UP_S + random.uniform(0, 3 * REASSERT_SPREAD_S)
+            self._reassert_at = self._now() + FOLLOW_UP_S + random.uniform(0, 3 * REASSERT_SPREAD_S)
         else:
             self._reassert_why = "periodic"
-            self._reassert_at = time.monotonic() + self._config.reconcile_interval_seconds * random.uniform(0.9, 1.1)
+            self._reassert_at = self._now() + self._reconcile_s * random.uniform(0.9, 1.1)
 
     async def _reassert(self) -> None:
         why = self._reassert_why
@@ -311,14 +396,16 @@ class ClusterdSink:
     def _wanted(self, change: Change) -> dict[str, PublicFault]:
         return public_faults(self._node, change.state, self._config.public_codes)
 
-    async def _send(self, build: Callable[[], list[Transition]]) -> list[Transition]:
+    async def _send(self, build: Callable[[], list[Transition]], resource: str | None = None) -> list[Transition]:
         """What `build` returns, until ClusterD answered 0 (or refused the request as invalid: a bug,
         logged). `build` is called before each try, so a batch that can go stale while ClusterD is
-        away is made again from the state then. Returns the last batch built (sent, or not
-        sendable), empty when there was nothing to send."""
+        away is made again from the state then (`_batch_uncertain`: a try failed, and may have been
+        applied). Returns the last batch built (sent, or not sendable), empty when there was nothing
+        to send. `resource`: another than this node's (a resource it used before)."""
         codes = frozenset(self._config.public_codes.values())
         reported: set[tuple[str, str]] = set()
         attempt = 0
+        self._batch_uncertain = False
         while True:
             batch = build()
             faults = []
@@ -343,7 +430,7 @@ class ClusterdSink:
             self._bucket.take()
             now_ms = int(self._clock() * 1000)
             request = pb.PublicFaultRequest(id=str(uuid.uuid4()), timestamp=now_ms, version="1.0",
-                                            resource=self._config.resource, faults=faults)
+                                            resource=resource or self._resource, faults=faults)
             problems = request_problems(request)
             # Only the node's clock can make it invalid (before 2025): wait for it rather than lose the request.
             outcome = "invalid" if problems else await self._call(request)
@@ -352,6 +439,7 @@ class ClusterdSink:
                 self._log_transition("request fails ClusterD's rules (the node's clock?); retrying", code="invalid",
                                      details="; ".join(problems))
             if outcome == "sent":
+                self._pacing.delivered()
                 self.last_success = self._clock()
                 if self._failed_call:  # what failed may land late, or ClusterD may have restarted meanwhile
                     self._failed_call = False
@@ -359,40 +447,68 @@ class ClusterdSink:
                 return batch
             if outcome == "rejected":
                 return batch
+            if outcome == "refused":  # ClusterD's budget is spent: wait for the cluster's turn (see pacing)
+                if not self._holding():  # nothing was applied: no restart can lose it; free the connection
+                    await self._disconnect()
+                await asyncio.sleep(self._pacing.refused())
+                continue
+            self._batch_uncertain = True
             attempt += 1
             backoff = random.uniform(0.5, min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** attempt))
+            if outcome == "failed" and not self._holding() and self._channel is not None and \
+                    self._channel.get_state() is not grpc.ChannelConnectivity.READY:
+                # No connection (ClusterD away, or its listener full and resetting new ones): a channel
+                # left to reconnect by itself would knock every few hundred ms, from every node at once.
+                # One that had answered was lost (ClusterD restarting?), and its watch goes with it.
+                if self._answered:
+                    self._reassert_soon("connection lost")
+                await self._disconnect()
+                await asyncio.sleep(backoff)
+                continue
             if outcome == "failed":
-                if self._channel.get_state() is not grpc.ChannelConnectivity.READY:
+                if self._connection().get_state() is not grpc.ChannelConnectivity.READY:
                     await self._sleep_until_connected(backoff)
                     continue
             await asyncio.sleep(backoff)
 
     async def _sleep_until_connected(self, seconds: float) -> None:
         """Back off, but retry as soon as the channel connects again: ClusterD is back."""
+        channel = self._connection()
+
         async def connected() -> None:
-            state = self._channel.get_state(try_to_connect=True)
+            state = channel.get_state(try_to_connect=True)
             while state is not grpc.ChannelConnectivity.READY:
-                await self._channel.wait_for_state_change(state)
-                state = self._channel.get_state(try_to_connect=True)
+                await channel.wait_for_state_change(state)
+                state = channel.get_state(try_to_connect=True)
         try:
             await asyncio.wait_for(connected(), seconds)
         except TimeoutError:
             pass
 
     async def _call(self, request: pb.PublicFaultRequest) -> str:
+        self._connection()
         self._in_flight = asyncio.ensure_future(self._stub.SendPublicFault(request, timeout=CALL_DEADLINE_S))
         try:
             reply = await asyncio.shield(self._in_flight)  # stop() waits for it rather than cancelling it
         except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.UNKNOWN and "qps exceeded" in (exc.details() or ""):
+                # ClusterD's limit on all unary calls (1,000/s for everybody): refused before anything
+                # was applied, like a 410
+                self.counters["rate_limited"] += 1
+                self._log_transition("clusterd refused the request; retrying", code="qps exceeded",
+                                     details=exc.details())
+                return "refused"
             self.counters["unavailable"] += 1
             self._log_transition("clusterd unreachable; retrying", code=exc.code().name, details=exc.details())
             # A request that reached ClusterD and got no answer may still be applied, later than what
-            # follows it. (A refused connection, or ClusterD's "qps exceeded", applied nothing; a
-            # connection that broke mid-call is noticed by the connection watch.)
-            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED or (
-                    exc.code() is grpc.StatusCode.UNKNOWN and "qps exceeded" not in (exc.details() or "")):
+            # follows it. (A refused connection applied nothing; a connection that broke mid-call is
+            # noticed by the connection watch.)
+            if exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN):
                 self._failed_call = True
             return "failed"
+        finally:
+            self._last_call = self._now()
+        self._answered = True
         if reply.code == 0:
             self.counters["sent"] += 1
             self._log_transition("")

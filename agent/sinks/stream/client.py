@@ -13,6 +13,7 @@ from agent._proto import npu_agent_faults_pb2 as pb
 from agent._proto import npu_agent_faults_pb2_grpc as pb_grpc
 
 RETRY_MAX_S = 10.0
+EXIT_OK, EXIT_FAILED, EXIT_INCOMPLETE = 0, 1, 3  # 2 is bad usage (agent.cli)
 
 
 def device_json(node: str, device: pb.DeviceFaults) -> dict:
@@ -49,16 +50,24 @@ def channel_credentials(ca_file: str = "", cert_file: str = "", key_file: str = 
 
 
 def print_faults(target: str, follow: bool, as_json: bool, timeout: float, out=sys.stdout,
-                 credentials: grpc.ChannelCredentials | None = None) -> int:
+                 credentials: grpc.ChannelCredentials | None = None, err=sys.stderr) -> int:
+    """Print the agent's faults (and with `follow` every change until interrupted); the exit code:
+    EXIT_OK, EXIT_FAILED (cannot reach or read the stream) or EXIT_INCOMPLETE (the agent said it
+    cannot see all of its devices: the list may be incomplete or out of date)."""
     epoch, revision, delay = "", 0, 0.5
+    deadline = time.monotonic() + timeout
     with grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target) as channel:
         stub = pb_grpc.NodeFaultsStub(channel)
-        try:
-            grpc.channel_ready_future(channel).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            print(f"npu-node-agent: cannot reach the agent's fault stream at {target} within {timeout:g}s",
-                  file=sys.stderr)
-            return 1
+        snapshot, problem = _first_answer(channel, stub, target, timeout)
+        if problem:
+            print(f"npu-node-agent: {problem}", file=err)
+            return EXIT_FAILED
+        if not follow:
+            if snapshot.view.state == pb.DeviceView.NOT_READ_YET:
+                snapshot = _once_read(stub, snapshot, deadline)
+            _print_snapshot(snapshot, as_json, out)
+            return EXIT_INCOMPLETE if _say_view(snapshot.view, None, err) else EXIT_OK
+        view = None  # the last view said
         while True:
             try:
                 for message in stub.Watch(pb.WatchRequest(epoch=epoch, since_revision=revision)):
@@ -67,8 +76,8 @@ def print_faults(target: str, follow: bool, as_json: bool, timeout: float, out=s
                         snapshot = message.snapshot
                         epoch, revision = snapshot.epoch, snapshot.revision
                         _print_snapshot(snapshot, as_json, out)
-                        if not follow:
-                            return 0
+                        _say_view(snapshot.view, view, err)
+                        view = snapshot.view
                     elif kind == "change":
                         change = message.change
                         revision = change.revision
@@ -77,15 +86,73 @@ def print_faults(target: str, follow: bool, as_json: bool, timeout: float, out=s
                         else:
                             out.write(device_line(change.device) + "\n")
                         out.flush()
+                    elif kind == "keepalive" and message.keepalive.HasField("view"):
+                        _say_view(message.keepalive.view, view, err)
+                        view = message.keepalive.view
                     delay = 0.5
             except grpc.RpcError as exc:
-                if not follow or exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    print(f"npu-node-agent: fault stream at {target} failed: {exc.code().name}: {exc.details()}",
-                          file=sys.stderr)
-                    return 1
-                print(f"npu-node-agent: fault stream interrupted ({exc.code().name}); resuming", file=sys.stderr)
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    print(f"npu-node-agent: fault stream at {target} failed: {exc.code().name}: {_brief(exc.details())}",
+                          file=err)
+                    return EXIT_FAILED
+                print(f"npu-node-agent: fault stream interrupted ({exc.code().name}); resuming", file=err)
                 time.sleep(delay)  # back off before reconnecting
                 delay = min(RETRY_MAX_S, delay * 2)
+
+
+def _first_answer(channel: grpc.Channel, stub: pb_grpc.NodeFaultsStub, target: str,
+                  timeout: float) -> tuple[pb.FaultSnapshot | None, str]:
+    """The agent's snapshot, or why there is none (one line). A name that does not resolve fails at once;
+    an agent that refuses connections is waited for until `timeout` (it may be starting)."""
+    deadline = time.monotonic() + timeout
+    try:
+        return stub.GetFaults(pb.GetFaultsRequest(), timeout=timeout), ""  # fails fast: no wait_for_ready
+    except grpc.RpcError as exc:
+        code, details = exc.code(), _brief(exc.details())
+    if code == grpc.StatusCode.UNAVAILABLE and "resolv" in details.lower():  # gRPC: "errors resolving <target>"
+        return None, f"cannot resolve the host of {target}: {details}"
+    if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return None, f"fault stream at {target} failed: {code.name}: {details}"
+    ready = grpc.channel_ready_future(channel)
+    try:
+        ready.result(timeout=max(0.0, deadline - time.monotonic()))
+        return stub.GetFaults(pb.GetFaultsRequest(), timeout=max(1.0, deadline - time.monotonic())), ""
+    except grpc.FutureTimeoutError:
+        ready.cancel()
+    except grpc.RpcError as exc:
+        details = _brief(exc.details())
+    return None, f"cannot reach the agent's fault stream at {target} within {timeout:g}s ({details})"
+
+
+def _once_read(stub: pb_grpc.NodeFaultsStub, snapshot: pb.FaultSnapshot, deadline: float) -> pb.FaultSnapshot:
+    """An agent that has just started and not read every device yet: its snapshot once it has (the
+    stream tells at once), or `snapshot` when that takes until `deadline`."""
+    try:
+        for message in stub.Watch(pb.WatchRequest(keepalive_seconds=1), timeout=max(0.1, deadline - time.monotonic())):
+            kind = message.WhichOneof("kind")
+            view = message.snapshot.view if kind == "snapshot" else message.keepalive.view if kind == "keepalive" else None
+            if view is not None and view.state != pb.DeviceView.NOT_READ_YET:
+                return stub.GetFaults(pb.GetFaultsRequest(), timeout=max(1.0, deadline - time.monotonic()))
+    except grpc.RpcError:
+        pass  # the deadline, or the agent went away: what it said first stands
+    return snapshot
+
+
+def _brief(details: str | None) -> str:
+    text = " ".join((details or "").split())
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+def _say_view(view: pb.DeviceView, before: pb.DeviceView | None, err) -> bool:
+    """Tell (on `err`) when the agent cannot see all of its devices, or sees them again after it could
+    not; whether it cannot. An agent that does not say (older than the view) is taken at its word."""
+    incomplete = view.state not in (pb.DeviceView.COMPLETE, pb.DeviceView.UNSPECIFIED)
+    if incomplete and view != before:
+        print(f"npu-node-agent: the agent cannot see all of its devices; the list may be incomplete or out of date: "
+              f"{view.reason}", file=err, flush=True)
+    elif not incomplete and before is not None and before.state not in (pb.DeviceView.COMPLETE, pb.DeviceView.UNSPECIFIED):
+        print("npu-node-agent: the agent sees all of its devices again", file=err, flush=True)
+    return incomplete
 
 
 def _print_snapshot(snapshot: pb.FaultSnapshot, as_json: bool, out) -> None:

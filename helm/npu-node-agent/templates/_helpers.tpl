@@ -21,11 +21,24 @@ app.kubernetes.io/name: {{ include "npu-node-agent.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
-{{- define "npu-node-agent.labels" -}}
+{{/* The labels the chart sets on every resource (commonLabels may not set these). */}}
+{{- define "npu-node-agent.ownLabels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{ include "npu-node-agent.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* Every resource's labels: the chart's own and commonLabels. */}}
+{{- define "npu-node-agent.labels" -}}
+{{- include "npu-node-agent.labelsWith" (dict "root" . "extra" (dict)) -}}
+{{- end -}}
+
+{{/* The same with a resource's own extra labels (dict "root" $ "extra" MAP), which win over
+     commonLabels where both set a key. */}}
+{{- define "npu-node-agent.labelsWith" -}}
+{{- $own := include "npu-node-agent.ownLabels" .root | fromYaml -}}
+{{- toYaml (merge $own (deepCopy (.extra | default (dict))) (deepCopy (.root.Values.commonLabels | default (dict)))) -}}
 {{- end -}}
 
 {{- define "npu-node-agent.serviceAccountName" -}}
@@ -116,6 +129,16 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and .Values.serviceMonitor.enabled (not .Values.service.enabled) -}}
 {{- fail "serviceMonitor.enabled needs service.enabled: true (a ServiceMonitor selects a Service)" -}}
 {{- end -}}
+{{- /* The chart's own labels select the pods and name the release: another value would break the
+       DaemonSet's selector or hide the resource from Helm. */ -}}
+{{- $own := include "npu-node-agent.ownLabels" . | fromYaml -}}
+{{- range $value := list "commonLabels" "podLabels" -}}
+{{- range $key := keys (get $.Values $value | default (dict)) | sortAlpha -}}
+{{- if hasKey $own $key -}}
+{{- fail (printf "%s.%s: the chart sets this label itself (%s); choose another key" $value $key (keys $own | sortAlpha | join ", ")) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{/* "true" when the ports are bound to the pod's IP (listenOn): the agent takes it from $POD_IP. */}}
@@ -166,6 +189,24 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- if and $a.datatrace.enabled (not $a.datatrace.namespaces) }}
 {{- include "npu-node-agent.datatraceRules" . }}
+{{- end }}
+# This node's NPUProblem condition (kubectl describe node): a strategic merge patch of the node's
+# status naming only that condition, so the kubelet's conditions stay; with node_condition off, one
+# patch at start removes a condition an earlier run left. The agent never reads or replaces nodes.
+- apiGroups: [""]
+  resources: [nodes/status]
+  verbs: [patch]
+{{- if $a.kubernetes.events }}
+# Events on this node and on the pods holding its NPUs (kubectl get events): created, and patched
+# when they repeat (count, lastTimestamp), as client-go's event recorder does.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+# The uid of a pod holding a faulty NPU, read once per pod, so that its events show in kubectl
+# describe pod.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get]
 {{- end }}
 {{- if include "npu-node-agent.tokenAuth" . }}
 # Each scrape of /metrics: is its bearer token valid (TokenReview), and may that user GET /metrics

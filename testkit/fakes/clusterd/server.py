@@ -37,6 +37,13 @@ is written then and cannot overwrite the stored entries before they are read.
 A restart loses the queue, the cache changes not yet written, and the limiter
 buckets.
 
+In front of the handler, like ClusterD's server: a unary-call limiter of 1,000
+calls/s (burst 1,000) that every unary method but HealthCheck shares, answered
+with gRPC UNKNOWN "qps exceeded, method=..." (``other_calls_per_s`` spends part
+of it on the cluster's other clients), and, with ``listener_cap``, the
+connection-limited listener (1,024 connections in all, 512 per client IP; see
+``listener.py``).
+
 Time: every rule reads the injected ``clock``.  The background loops (delete
 queue, writer, reload) are a discrete-event simulation that is advanced to the
 clock's now at the start of every call and every query, so a test can drive it
@@ -62,6 +69,9 @@ import grpc
 
 from agent._proto import pubfault_pb2 as pb
 from agent._proto import pubfault_pb2_grpc as pb_grpc
+from testkit.fakes.clusterd.listener import PER_IP_LIMIT, TOTAL_LIMIT, ConnectionCap, CoreCap
+
+CLUSTERD_LISTENER_CAP = (TOTAL_LIMIT, PER_IP_LIMIT)
 from testkit.wait import wait_until
 
 log = logging.getLogger(__name__)
@@ -103,6 +113,8 @@ MIN_TIME_MS = 1735689600000  # 2025-01-01T00:00:00Z
 RECOVER_DELAY_S = 5  # whole seconds: every fault stays cached at least this long
 IDLE_POLL_S = 0.5  # the delete loop's poll while its queue is empty
 MAX_PERSISTED_FAULTS = 4500  # above this the persisted list stays stale
+UNARY_QPS = 1000.0  # ClusterD's limitQPS interceptor: one bucket for every unary method but HealthCheck
+METHOD = "/PubFault/SendPublicFault"
 
 Key = tuple[str, str, str]  # (node, resource, faultId)
 
@@ -199,8 +211,22 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
                  rate_per_s: float = 1.0, burst: int = 100, clock: Callable[[], float] = time.time,
                  host: str = "127.0.0.1", port: int = 0, node_sns: Mapping[str, str] | None = None,
                  max_cached_faults: int = MAX_CACHED_FAULTS, poll_phase: float | None = None,
-                 write_interval_s: float = 1.0, reload_delay_s: float = 0.0):
+                 write_interval_s: float = 1.0, reload_delay_s: float = 0.0, unary_qps: float = UNARY_QPS,
+                 other_calls_per_s: float = 0.0,
+                 listener_cap: tuple[int, int | None] | None = None, cap_in_grpc: bool = False):
+        """``listener_cap``: (total, per client IP or None) connections, e.g. (1024, 512) as ClusterD;
+        None: no limit and no relay (the gRPC server listens itself). ``cap_in_grpc``: the total cap
+        is kept by gRPC's own listener, without the relay (no per-IP cap; counts sampled, see
+        ``CoreCap``): for a thousand clients, which the relay cannot keep up with."""
+        if cap_in_grpc and (listener_cap is None or listener_cap[1] is not None):
+            raise ValueError("cap_in_grpc keeps a total cap only: listener_cap=(total, None)")
+        self._cap_in_grpc = cap_in_grpc
         self._levels, self._resources = _load_config(config)
+        self._unary_qps = unary_qps
+        self._other_calls_per_s = other_calls_per_s  # other clients' unary calls, taken from the same bucket
+        self._listener_cap = listener_cap
+        self._cap: ConnectionCap | CoreCap | None = None
+        self.qps_exceeded = 0
         self._rate_per_s, self._burst = rate_per_s, burst
         self._clock = clock
         self._host = host
@@ -228,6 +254,7 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
         # The process (see _boot and _die).
         self._running = False
         self._buckets: dict[str, _TokenBucket] = {}
+        self._unary = _TokenBucket(max(0.0, unary_qps - other_calls_per_s), int(unary_qps), 0.0)
         self._cache: dict[Key, StoredFault] = {}
         self._queue: deque[tuple[int, Key]] = deque()  # (deadline, key), head first
         self._drain_at = 0.0  # when the delete loop next acts
@@ -247,16 +274,28 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
         """Start serving (on the same port after a stop).  ``persisted=False``: the ConfigMap is gone."""
         if self._server is not None:
             raise RuntimeError("ClusterdStandIn already started")
+        relay = self._listener_cap is not None and not self._cap_in_grpc
+        options = SERVER_OPTIONS
+        if self._cap_in_grpc:
+            options = [*SERVER_OPTIONS, CoreCap.option(self._listener_cap[0])]
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="clusterd-standin"),
-                             options=SERVER_OPTIONS)
+                             options=options)
         pb_grpc.add_PubFaultServicer_to_server(self, server)
+        backend = "127.0.0.1:0" if relay else self.address
         try:
-            bound = server.add_insecure_port(self.address)
+            bound = server.add_insecure_port(backend)
         except RuntimeError as e:  # grpcio raises on bind failure; older versions returned 0
-            raise OSError(f"clusterd stand-in cannot bind {self.address}: {e}") from None
+            raise OSError(f"clusterd stand-in cannot bind {backend}: {e}") from None
         if bound == 0:
-            raise OSError(f"clusterd stand-in cannot bind {self.address}")
-        self.port = bound  # remembered, so a restart comes back on the same port
+            raise OSError(f"clusterd stand-in cannot bind {backend}")
+        if not relay:
+            self.port = bound  # remembered, so a restart comes back on the same port
+            if self._cap_in_grpc:
+                self._cap = CoreCap(bound)
+        else:
+            total, per_ip = self._listener_cap
+            self._cap = ConnectionCap(self._host, bound, self.port, total, per_ip).start()
+            self.port = self._cap.port
         with self._lock:
             if not persisted:
                 self._persisted.clear()
@@ -271,6 +310,9 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
         if self._server is None:
             return
         self._stopped.set()
+        if self._cap is not None:  # the listener and every connection close with the process
+            self._cap.stop()
+            self._cap = None
         # Wait until the listener is really closed, so start() can rebind the port.
         self._server.stop(grace).wait()
         self._server = None
@@ -299,6 +341,7 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
         self._writer_live, self._writer_wake, self._write_pending = False, None, False
         # Limiters are built fresh by the new process, full.
         self._buckets = {r: _TokenBucket(self._rate_per_s, self._burst, now) for r in self._resources}
+        self._unary = _TokenBucket(max(0.0, self._unary_qps - self._other_calls_per_s), int(self._unary_qps), now)
 
     def _die(self, now: float) -> None:
         """The process dies at ``now``: due events happen, the rest and unwritten changes are lost (lock held)."""
@@ -324,6 +367,19 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
         """Sleep this long in each call before processing (to trip client deadlines)."""
         with self._lock:
             self._delay = seconds
+
+    @property
+    def connections(self) -> tuple[int, int, int]:
+        """(open now, the most at once since reset_peak(), refused at the cap so far); zeros without a cap."""
+        cap = self._cap
+        if cap is None:
+            return 0, 0, 0
+        open_now = cap.open  # first: a sampled count updates the peak as it is read
+        return open_now, cap.peak, cap.refused
+
+    def reset_peak(self) -> None:
+        if self._cap is not None:
+            self._cap.reset_peak()
 
     def refill_now(self) -> None:
         with self._lock:
@@ -386,8 +442,12 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
     def SendPublicFault(self, request: pb.PublicFaultRequest, context: grpc.ServicerContext) -> pb.RespStatus:
         with self._lock:
             unavailable, delay, generation = self._unavailable, self._delay, self._generation
+            if not unavailable:
+                admitted = self._unary_call(self._clock())
         if unavailable:
             context.abort(grpc.StatusCode.UNAVAILABLE, "clusterd stand-in: unavailable")
+        if not admitted:  # ClusterD's interceptor returns a Go error: the client sees UNKNOWN
+            context.abort(grpc.StatusCode.UNKNOWN, f"qps exceeded, method={METHOD}")
         if delay > 0 and self._stopped.wait(delay):
             context.abort(grpc.StatusCode.UNAVAILABLE, "clusterd stand-in: stopped")
         # Like ClusterD, the handler doesn't look at the client's deadline: a call
@@ -406,6 +466,13 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
         return pb.RespStatus(code=code, info=info)
 
     # ----- ClusterD's rules (all called with the lock held) -----
+
+    def _unary_call(self, now: float) -> bool:
+        """The interceptor's bucket (what the cluster's other clients take from it is not refilled)."""
+        if self._unary.allow(now):
+            return True
+        self.qps_exceeded += 1
+        return False
 
     def _process(self, req: pb.PublicFaultRequest, now: float) -> tuple[int, str, list[tuple[str, str]]]:
         # 1. Rate limit before anything else, so invalid requests spend tokens too.

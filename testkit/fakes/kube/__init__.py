@@ -1,4 +1,4 @@
-"""In-process stand-in for the Kubernetes API server (core/v1 ConfigMaps and Pods)."""
+"""In-process stand-in for the Kubernetes API server (core/v1 ConfigMaps, Pods, Nodes and Events)."""
 
 from .server import KubeStandIn
 

@@ -1,10 +1,29 @@
-"""A small in-process stand-in for the Kubernetes API server (core/v1 ConfigMaps and Pods,
-TokenReviews and SubjectAccessReviews).
+"""A small in-process stand-in for the Kubernetes API server (core/v1 ConfigMaps, Pods, Nodes and
+Events, TokenReviews and SubjectAccessReviews).
 
 It speaks just enough of the REST protocol for the official ``kubernetes`` Python client
 (``CoreV1Api``, ``AuthenticationV1Api``, ``AuthorizationV1Api`` and ``kubernetes.watch.Watch``) to
 be pointed at it over a real socket: CRUD, list with label/field selectors, and watch streams with
 resourceVersion resume and 410 expiry.  Standard library only, so it can run anywhere the tests run.
+
+Patches as the API server applies them: strategic merge patch (lists with a merge key, such as a
+Node's `status.conditions` by `type`, merge item by item; `$patch: delete|replace`,
+`$setElementOrder/<list>`, `$deleteFromPrimitiveList/<list>`, `$retainKeys`), JSON merge patch
+(RFC 7386) and JSON patch (RFC 6902); any other content type is a 415. A PUT or PATCH whose result
+carries a `metadata.resourceVersion` other than the stored one is a 409 Conflict. Nodes are
+cluster-scoped; their `status` is written only through the `nodes/{name}/status` subresource (RBAC
+resource `nodes/status`), their spec and metadata only through the node itself, as the real
+strategies do. Events are validated as core/v1 Events are (the event's namespace must be the
+involved object's, or `default` for a cluster-scoped object) and expire `event_ttl` seconds after
+their last write (the API server's --event-ttl, 1 h by default) on the stand-in's `clock` (a test
+may pass its own and move it; `expire_events()` expires every Event at once).
+
+Namespaces, as the NamespaceLifecycle admission plugin sees them: `default`, `kube-system`,
+`kube-public` and `kube-node-lease` exist from the start; `put()` of an object creates its namespace
+(a test's setup), `add_namespace`, `terminate_namespace` and `delete_namespace` change them. A write
+(create, update, patch) in a namespace that does not exist is a 404 NotFound about the namespace;
+a create in one being terminated is a 403 Forbidden whose Status carries the cause
+`NamespaceTerminating` (details.causes), as the real server answers.
 
 Authentication and authorisation, as the real server does them: every request's bearer token is
 looked up in the tokens a test configures (`add_token`); a token it does not know is a 401 on
@@ -41,15 +60,28 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 # kind <-> REST resource name.  Anything else is an unknown path (404), like a missing API.
-KINDS = {"ConfigMap": "configmaps", "Pod": "pods"}
+KINDS = {"ConfigMap": "configmaps", "Pod": "pods", "Node": "nodes", "Event": "events"}
 RESOURCES = {resource: kind for kind, resource in KINDS.items()}
+CLUSTER_SCOPED = {"Node"}  # no namespace: /api/v1/nodes/<name>
+# Subresources served, by resource: a write through one changes only that part of the object.
+SUBRESOURCES = {"nodes": ("status",)}
+EVENT_TTL_S = 3600.0  # kube-apiserver --event-ttl
+INITIAL_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")  # what a new cluster has
+NAMESPACE_TERMINATING = "NamespaceTerminating"  # the StatusCause type NamespaceLifecycle adds
 
 # Field selectors the real API server accepts for each resource (a subset).  An unsupported
 # field is a 400 there too, which keeps a typo in product code from silently matching everything.
 FIELDS = {
     "configmaps": ("metadata.name", "metadata.namespace"),
     "pods": ("metadata.name", "metadata.namespace", "spec.nodeName", "status.phase"),
+    "nodes": ("metadata.name", "spec.unschedulable"),
+    "events": ("metadata.name", "metadata.namespace", "involvedObject.kind", "involvedObject.namespace",
+               "involvedObject.name", "involvedObject.uid", "involvedObject.apiVersion",
+               "involvedObject.resourceVersion", "involvedObject.fieldPath", "reason", "reportingComponent",
+               "source", "type"),
 }
+# Field selector names that stand for another field (an Event's `source` is its source.component).
+FIELD_ALIASES = {("events", "source"): "source.component"}
 
 REASONS = {
     400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
@@ -58,8 +90,25 @@ REASONS = {
     504: "Timeout",
 }
 
-_MERGE_PATCH_TYPES = ("application/merge-patch+json", "application/strategic-merge-patch+json")
-_PATH = re.compile(r"^/api/v1/(?:namespaces/(?P<ns>[^/]+)/)?(?P<resource>[^/]+)(?:/(?P<name>[^/]+))?/?$")
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
+_PATCH_TYPES = (JSON_PATCH, MERGE_PATCH, STRATEGIC_MERGE_PATCH)
+_PATH = re.compile(r"^/api/v1/(?:namespaces/(?P<ns>[^/]+)/)?(?P<resource>[^/]+)"
+                   r"(?:/(?P<name>[^/]+)(?:/(?P<sub>[^/]+))?)?/?$")
+
+# Lists a strategic merge patch merges item by item, by the key the API types declare
+# (patchMergeKey), by kind and path ("*" is any item of a list). Any other list is replaced whole.
+MERGE_KEYS = {
+    "Node": {("status", "conditions"): "type", ("status", "addresses"): "type",
+             ("metadata", "ownerReferences"): "uid"},
+    "Pod": {("spec", "containers"): "name", ("spec", "initContainers"): "name", ("spec", "volumes"): "name",
+            ("spec", "containers", "*", "env"): "name", ("spec", "containers", "*", "ports"): "containerPort",
+            ("spec", "containers", "*", "volumeMounts"): "mountPath", ("status", "conditions"): "type",
+            ("metadata", "ownerReferences"): "uid"},
+}
+# Lists of scalars a strategic merge patch merges as a set (patchStrategy merge without a key).
+MERGED_SCALAR_LISTS = {("metadata", "finalizers")}
 
 # The create-only review APIs: path -> (kind, API group, resource).
 REVIEWS = {
@@ -96,7 +145,7 @@ class Rule:
 
 
 def _kind_of(kind_or_resource: str) -> str:
-    """Accept 'ConfigMap' or 'configmaps' from test code."""
+    """Accept 'ConfigMap' or 'configmaps' (any served kind) from test code."""
     if kind_or_resource in KINDS:
         return kind_or_resource
     if kind_or_resource in RESOURCES:
@@ -109,32 +158,53 @@ def _now() -> str:
 
 
 def status_body(code: int, message: str, reason: str | None = None,
-                name: str | None = None, resource: str | None = None) -> dict:
+                name: str | None = None, resource: str | None = None, causes: list | None = None) -> dict:
     """A metav1.Status failure, the body every API error carries."""
     body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
             "message": message, "reason": reason or REASONS.get(code, "Unknown"), "code": code}
     if name is not None or resource is not None:
         body["details"] = {"name": name, "kind": resource}
+    if causes:
+        body.setdefault("details", {})["causes"] = causes
     return body
+
+
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def validate_event(event: dict) -> None:
+    """A core/v1 Event as the API server validates one written without eventTime (the legacy
+    recorder's kind): the involved object's namespace must be the event's, and an event about a
+    cluster-scoped object (no namespace, e.g. a Node) lives in `default`; a 422 otherwise."""
+    meta = event.get("metadata") or {}
+    involved = event.get("involvedObject") if isinstance(event.get("involvedObject"), dict) else {}
+    problems = []
+    name = meta.get("name") or ""
+    if len(name) > 253 or not _DNS_SUBDOMAIN.match(name):
+        problems.append(f'metadata.name: Invalid value: "{name}": a lowercase RFC 1123 subdomain must consist of '
+                        "lower case alphanumeric characters, '-' or '.'")
+    namespace, wanted = meta.get("namespace") or "", involved.get("namespace") or ""
+    if (wanted and namespace != wanted) or (not wanted and namespace not in ("", "default")):
+        problems.append(f'involvedObject.namespace: Invalid value: "{wanted}": does not match event.namespace')
+    if len(event.get("reportingInstance") or "") > 128:
+        problems.append("reportingInstance: Too long: may not be more than 128 bytes")
+    if problems:
+        raise ApiError(422, f'Event "{name}" is invalid: {"; ".join(problems)}', "Invalid", name=name,
+                       resource="events")
 
 
 class ApiError(Exception):
     """Raised inside request handling; turned into a Status response."""
 
     def __init__(self, code: int, message: str, reason: str | None = None,
-                 name: str | None = None, resource: str | None = None):
+                 name: str | None = None, resource: str | None = None, causes: list | None = None):
         super().__init__(message)
-        self.body = status_body(code, message, reason, name, resource)
+        self.body = status_body(code, message, reason, name, resource, causes)
         self.code = code
 
 
 def merge_patch(target, patch):
-    """RFC 7386 JSON merge patch.
-
-    Also used for strategic-merge-patch: for maps (ConfigMap data, labels, annotations) the two
-    agree; they differ only for lists with merge keys (e.g. pod containers), which a merge patch
-    replaces wholesale.
-    """
+    """RFC 7386 JSON merge patch: maps merge, null deletes a key, anything else (lists too) replaces."""
     if not isinstance(patch, dict):
         return copy.deepcopy(patch)
     result = dict(target) if isinstance(target, dict) else {}
@@ -144,6 +214,178 @@ def merge_patch(target, patch):
         else:
             result[key] = merge_patch(result.get(key), value)
     return result
+
+
+def _bad_patch(message: str) -> ApiError:
+    return ApiError(400, f"the strategic merge patch is invalid: {message}")
+
+
+def strategic_merge_patch(target, patch, kind: str, path: tuple = ()):
+    """Kubernetes' strategic merge patch of one map (None: the map is deleted by `$patch: delete`).
+
+    Like a merge patch, except: a list with a merge key (MERGE_KEYS) merges by it, an item naming
+    `$patch: delete` removes the item with its key, `$patch: replace` replaces the list or map it
+    is in; `$setElementOrder/<list>` orders the merged list, `$deleteFromPrimitiveList/<list>`
+    removes scalars from a merged one, `$retainKeys` drops the keys it does not name."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    directive = patch.get("$patch")
+    if directive == "delete":
+        return None
+    if directive == "replace":
+        return {key: copy.deepcopy(value) for key, value in patch.items() if key != "$patch"}
+    if directive not in (None, "merge"):
+        raise _bad_patch(f"unknown patch type {directive!r} at {'.'.join(path) or 'the top'}")
+    result = copy.deepcopy(target) if isinstance(target, dict) else {}
+    orders, retain = {}, None
+    for key, value in patch.items():
+        if key == "$patch":
+            continue
+        if key == "$retainKeys":
+            retain = value
+            continue
+        if key.startswith("$setElementOrder/"):
+            orders[key.partition("/")[2]] = value
+            continue
+        if key.startswith("$deleteFromPrimitiveList/"):
+            name = key.partition("/")[2]
+            if not isinstance(value, list):
+                raise _bad_patch(f"{key} must be a list")
+            result[name] = [item for item in result.get(name) or [] if item not in value]
+            continue
+        here = (*path, key)
+        if value is None:
+            result.pop(key, None)
+        elif isinstance(value, list):
+            result[key] = _merge_list(result.get(key), value, kind, here)
+        elif isinstance(value, dict):
+            merged = strategic_merge_patch(result.get(key), value, kind, here)
+            if merged is None:
+                result.pop(key, None)
+            else:
+                result[key] = merged
+        else:
+            result[key] = value
+    for name, order in orders.items():
+        merge_key = MERGE_KEYS.get(kind, {}).get((*path, name))
+        if merge_key and isinstance(result.get(name), list) and isinstance(order, list):
+            rank = {item.get(merge_key): i for i, item in enumerate(order) if isinstance(item, dict)}
+            result[name] = sorted(result[name], key=lambda item: rank.get(item.get(merge_key), len(rank)))
+    if retain is not None:
+        result = {key: value for key, value in result.items() if key in retain}
+    return result
+
+
+def _merge_list(current, patch: list, kind: str, path: tuple) -> list:
+    merge_key = MERGE_KEYS.get(kind, {}).get(path)
+    current = copy.deepcopy(current) if isinstance(current, list) else []
+    if path in MERGED_SCALAR_LISTS:
+        return current + [item for item in patch if item not in current]
+    if merge_key is None:  # no merge strategy: the patch's list replaces the stored one
+        return [_without_directives(item) for item in patch]
+    if any(isinstance(item, dict) and item.get("$patch") == "replace" for item in patch):
+        return [_without_directives(item) for item in patch if item.get("$patch") != "replace"]
+    for item in patch:
+        if not isinstance(item, dict) or merge_key not in item:
+            raise _bad_patch(f"an item of {'.'.join(path)} does not contain declared merge key: {merge_key}")
+        found = next((i for i, have in enumerate(current) if have.get(merge_key) == item[merge_key]), None)
+        if item.get("$patch") == "delete":
+            if found is not None:
+                del current[found]
+            continue
+        if found is None:
+            current.append(strategic_merge_patch({}, item, kind, (*path, "*")))
+        else:
+            current[found] = strategic_merge_patch(current[found], item, kind, (*path, "*"))
+    return current
+
+
+def _without_directives(value):
+    if isinstance(value, dict):
+        return {k: _without_directives(v) for k, v in value.items() if not k.startswith("$")}
+    return copy.deepcopy(value)
+
+
+def _pointer(path: str) -> list[str]:
+    if path == "":
+        return []
+    if not path.startswith("/"):
+        raise ApiError(422, f"the JSON patch path {path!r} does not start with /", "Invalid")
+    return [part.replace("~1", "/").replace("~0", "~") for part in path[1:].split("/")]
+
+
+def _parent(document, parts: list[str], path: str):
+    node = document
+    for part in parts[:-1]:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            raise ApiError(422, f"the JSON patch path {path!r} does not exist", "Invalid")
+    return node
+
+
+def json_patch(document, operations: list):
+    """RFC 6902 JSON patch: add, remove, replace, move, copy, test; a failing operation is a 422."""
+    document = copy.deepcopy(document)
+
+    def get(path):
+        parts = _pointer(path)
+        if not parts:
+            return document
+        parent, last = _parent(document, parts, path), parts[-1]
+        if isinstance(parent, dict) and last in parent:
+            return parent[last]
+        if isinstance(parent, list) and last.isdigit() and int(last) < len(parent):
+            return parent[int(last)]
+        raise ApiError(422, f"the JSON patch path {path!r} does not exist", "Invalid")
+
+    def remove(path):
+        parts = _pointer(path)
+        value = get(path)
+        parent = _parent(document, parts, path)
+        if isinstance(parent, dict):
+            del parent[parts[-1]]
+        else:
+            del parent[int(parts[-1])]
+        return value
+
+    def add(path, value):
+        nonlocal document
+        parts = _pointer(path)
+        if not parts:
+            document = value
+            return
+        parent, last = _parent(document, parts, path), parts[-1]
+        if isinstance(parent, dict):
+            parent[last] = value
+        elif isinstance(parent, list) and (last == "-" or (last.isdigit() and int(last) <= len(parent))):
+            parent.insert(len(parent) if last == "-" else int(last), value)
+        else:
+            raise ApiError(422, f"the JSON patch path {path!r} does not exist", "Invalid")
+
+    for operation in operations:
+        if not isinstance(operation, dict) or "path" not in operation:
+            raise ApiError(400, f"a JSON patch operation needs op and path: {operation!r}")
+        op, path = operation.get("op"), operation["path"]
+        if op == "add":
+            add(path, copy.deepcopy(operation.get("value")))
+        elif op == "remove":
+            remove(path)
+        elif op == "replace":
+            remove(path)
+            add(path, copy.deepcopy(operation.get("value")))
+        elif op == "move":
+            add(path, remove(operation.get("from", "")))
+        elif op == "copy":
+            add(path, copy.deepcopy(get(operation.get("from", ""))))
+        elif op == "test":
+            if get(path) != operation.get("value"):
+                raise ApiError(422, f"the JSON patch test of {path!r} failed", "Invalid")
+        else:
+            raise ApiError(400, f"unknown JSON patch operation {op!r}")
+    return document
 
 
 # ----------------------------------------------------------------------------- selectors
@@ -181,7 +423,7 @@ def parse_field_selector(text: str | None, resource: str):
         field, op, value = m.groups()
         if field not in FIELDS[resource]:
             raise ApiError(400, f'field label not supported: {field}')
-        terms.append(("!=" if op == "!=" else "=", field, value))
+        terms.append(("!=" if op == "!=" else "=", FIELD_ALIASES.get((resource, field), field), value))
     return terms
 
 
@@ -220,14 +462,36 @@ Event = collections.namedtuple("Event", "rv kind namespace obj prev")
 class _State:
     """Objects, the global resourceVersion and the event history, under one Condition."""
 
-    def __init__(self, history: int):
+    def __init__(self, history: int, clock=time.monotonic):
         self.cond = threading.Condition()
+        self.clock = clock
+        self.namespaces: dict[str, str] = {name: "Active" for name in INITIAL_NAMESPACES}  # name -> phase
         self.objects: dict[tuple[str, str, str], dict] = {}
         self.rv = 0
         self.history: collections.deque[Event] = collections.deque(maxlen=history)
         # Every event with rv > floor is still in history; a watch from below floor is expired.
         self.floor = 0
         self.stopping = False
+        self.event_ttl = EVENT_TTL_S
+        self.expiry: dict[tuple[str, str, str], float] = {}  # an Event's key -> clock() it expires
+
+    def expire(self, everything: bool = False) -> None:
+        """Delete the Events whose TTL passed (etcd's lease ran out), as deletions watchers see."""
+        now = self.clock()
+        for key in [key for key, at in self.expiry.items() if at <= now or everything]:
+            del self.expiry[key]
+            self.remove(*key)
+
+    def admit(self, method: str, namespace: str, resource: str, name) -> None:
+        """NamespaceLifecycle: no write in a namespace that does not exist, no create in one being deleted."""
+        phase = self.namespaces.get(namespace)
+        if phase is None:
+            raise ApiError(404, f'namespaces "{namespace}" not found', name=namespace, resource="namespaces")
+        if phase == "Terminating" and method == "POST":
+            raise ApiError(403, f'{resource} "{name or ""}" is forbidden: unable to create new content in namespace '
+                                f"{namespace} because it is being terminated", name=name or "", resource=resource,
+                           causes=[{"reason": NAMESPACE_TERMINATING, "field": "metadata.namespace",
+                                    "message": f"namespace {namespace} is being terminated"}])
 
     def _record(self, kind, namespace, obj, prev) -> None:
         if len(self.history) == self.history.maxlen:
@@ -238,7 +502,7 @@ class _State:
     def write(self, obj: dict, *, create: bool, update: bool) -> dict:
         """Store obj (already carrying kind/metadata.name/namespace); caller holds cond."""
         kind, meta = obj["kind"], obj["metadata"]
-        key = (kind, meta["namespace"], meta["name"])
+        key = (kind, meta.get("namespace", ""), meta["name"])
         prev = self.objects.get(key)
         resource = KINDS[kind]
         if prev is None and not create:
@@ -259,6 +523,8 @@ class _State:
             meta["creationTimestamp"] = prev["metadata"]["creationTimestamp"]
         meta["resourceVersion"] = str(self.rv)
         self.objects[key] = obj
+        if kind == "Event":  # every write renews the lease: the TTL counts from the last one
+            self.expiry[key] = self.clock() + self.event_ttl
         self._record(kind, key[1], obj, prev)
         return copy.deepcopy(obj)
 
@@ -266,6 +532,7 @@ class _State:
         prev = self.objects.pop((kind, namespace, name), None)
         if prev is None:
             return None
+        self.expiry.pop((kind, namespace, name), None)
         self.rv += 1
         self._record(kind, namespace, None, prev)
         # The deleted object reports the deletion's resourceVersion, as the API server does.
@@ -276,7 +543,7 @@ class _State:
     def select(self, kind, namespace, labels=(), fields=()) -> list[dict]:
         found = [o for (k, ns, _), o in self.objects.items()
                  if k == kind and (namespace is None or ns == namespace) and matches(o, labels, fields)]
-        found.sort(key=lambda o: (o["metadata"]["namespace"], o["metadata"]["name"]))
+        found.sort(key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"]))
         return copy.deepcopy(found)
 
 
@@ -393,17 +660,25 @@ class _Handler(BaseHTTPRequestHandler):
             m = _PATH.match(url.path)
             if not m or m["resource"] not in RESOURCES:
                 raise ApiError(404, f"the server could not find the requested resource ({url.path})")
-            ns, resource, name = m["ns"], m["resource"], m["name"]
-            if m["ns"] is None and name is not None:
-                # /api/v1/configmaps/x is not a thing; items always live under a namespace.
+            ns, resource, name, sub = m["ns"], m["resource"], m["name"], m["sub"]
+            cluster_scoped = RESOURCES[resource] in CLUSTER_SCOPED
+            if (cluster_scoped and ns is not None) or (not cluster_scoped and ns is None and name is not None) or (
+                    sub is not None and sub not in SUBRESOURCES.get(resource, ())):
+                # /api/v1/configmaps/x is not a thing (items of a namespaced resource live under a
+                # namespace), nor is a node under a namespace, nor a subresource the server lacks.
                 raise ApiError(404, f"the server could not find the requested resource ({url.path})")
             verb = "list" if method == "GET" and name is None else _VERBS.get(method, method.lower())
             standin._authorize(caller, "watch" if verb == "list" and query.get("watch") in ("true", "1") else verb,
-                               resource, "", ns)
+                               f"{resource}/{sub}" if sub else resource, "", ns)
+            with standin._state.cond:
+                standin._state.expire()
+                if ns is not None and method in ("POST", "PUT", "PATCH"):
+                    posted = (body.get("metadata") or {}).get("name") if isinstance(body, dict) else None
+                    standin._state.admit(method, ns, resource, name or posted)
             if name is None:
                 self._collection(method, ns, resource, query, body)
             else:
-                self._item(method, ns, resource, name, body)
+                self._item(method, ns or "", resource, name, body, sub)
         except ApiError as err:
             self._send_json(err.code, err.body)
 
@@ -442,7 +717,7 @@ class _Handler(BaseHTTPRequestHandler):
                 items, rv = state.select(kind, ns, labels, fields), state.rv
             return self._send_json(200, {"kind": f"{kind}List", "apiVersion": "v1",
                                          "metadata": {"resourceVersion": str(rv)}, "items": items})
-        if method == "POST" and ns is not None:
+        if method == "POST" and (ns is not None or kind in CLUSTER_SCOPED):
             if not isinstance(body, dict):
                 raise ApiError(400, "request body must be a JSON object")
             meta = body.setdefault("metadata", {})
@@ -451,8 +726,13 @@ class _Handler(BaseHTTPRequestHandler):
             if not meta.get("name"):
                 raise ApiError(400, "metadata.name: Required value: name or generateName is required",
                                "Invalid")
-            meta["namespace"] = ns  # the path wins
+            if kind in CLUSTER_SCOPED:
+                meta.pop("namespace", None)
+            else:
+                meta["namespace"] = ns  # the path wins
             body["kind"] = kind
+            if kind == "Event":
+                validate_event(body)
             state = self.server.standin._state
             with state.cond:
                 stored = state.write(body, create=True, update=False)
@@ -461,7 +741,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- items
 
-    def _item(self, method, ns, resource, name, body):
+    def _item(self, method, ns, resource, name, body, sub=None):
         kind = RESOURCES[resource]
         key = (kind, ns, name)
         state = self.server.standin._state
@@ -469,13 +749,18 @@ class _Handler(BaseHTTPRequestHandler):
         conflict = ApiError(409, f'Operation cannot be fulfilled on {resource} "{name}": the object '
                                  "has been modified; please apply your changes to the latest version "
                                  "and try again", "Conflict", name=name, resource=resource)
-        if method == "PATCH":
-            ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip()
-            if ctype not in _MERGE_PATCH_TYPES:
-                raise ApiError(415, f"the stand-in only supports {', '.join(_MERGE_PATCH_TYPES)}, "
-                                    f"not {ctype!r}")
-        if method in ("PUT", "PATCH") and not isinstance(body, dict):
+        ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip()
+        if method == "PATCH" and ctype not in _PATCH_TYPES:
+            # The API server also takes application/apply-patch+yaml (server-side apply); the stand-in does not.
+            raise ApiError(415, f"the body of the request was in an unknown format - accepted media types "
+                                f"include: {', '.join(_PATCH_TYPES)} (not {ctype!r})")
+        if method == "PATCH" and ctype == JSON_PATCH:
+            if not isinstance(body, list):
+                raise ApiError(400, "a JSON patch must be a list of operations")
+        elif method in ("PUT", "PATCH") and not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
+        if sub is not None and method not in ("GET", "PUT", "PATCH"):
+            raise ApiError(405, f"{method} is not supported on {resource}/{sub}")
 
         with state.cond:
             current = state.objects.get(key)
@@ -495,19 +780,45 @@ class _Handler(BaseHTTPRequestHandler):
             elif method in ("PUT", "PATCH"):
                 if current is None:
                     raise not_found
-                meta = body.get("metadata") or {}
+                if method == "PUT":
+                    new = copy.deepcopy(body)
+                elif ctype == JSON_PATCH:
+                    new = json_patch(current, body)
+                elif ctype == MERGE_PATCH:
+                    new = merge_patch(current, body)
+                else:
+                    new = strategic_merge_patch(current, body, kind)
+                if not isinstance(new, dict):
+                    raise ApiError(422, f"the patched {resource} is not an object", "Invalid")
+                meta = new.get("metadata") if isinstance(new.get("metadata"), dict) else {}
                 if meta.get("name") not in (None, name):
                     raise ApiError(400, f"the name of the object ({meta['name']}) does not match the "
                                         f"name on the URL ({name})")
-                # A resourceVersion in the body is an optimistic-concurrency precondition;
-                # without one the write is unconditional, as in Kubernetes.
+                # A resourceVersion in the body (or left in the patched object by the patch) is an
+                # optimistic-concurrency precondition; without one the write is unconditional.
                 wanted = meta.get("resourceVersion")
                 if wanted is not None and wanted != current["metadata"]["resourceVersion"]:
                     raise conflict
-                new = copy.deepcopy(body if method == "PUT" else merge_patch(current, body))
+                if sub == "status":  # the status subresource writes the status and nothing else
+                    new = {**copy.deepcopy(current), "status": new.get("status") or {}}
+                elif kind in CLUSTER_SCOPED:  # a write of the node itself leaves its status as it was
+                    if "status" in current:
+                        new["status"] = copy.deepcopy(current["status"])
+                    else:
+                        new.pop("status", None)
                 new["kind"] = kind
-                new.setdefault("metadata", {}).update(name=name, namespace=ns)
-                stored = state.write(new, create=False, update=True)
+                new_meta = new.setdefault("metadata", {})
+                new_meta.update(name=name)
+                if kind in CLUSTER_SCOPED:
+                    new_meta.pop("namespace", None)
+                else:
+                    new_meta["namespace"] = ns
+                if new == current:  # a no-op write is not stored: no new resourceVersion, no watch event
+                    stored = copy.deepcopy(current)
+                else:
+                    if kind == "Event":
+                        validate_event(new)
+                    stored = state.write(new, create=False, update=True)
             else:
                 raise ApiError(405, f"{method} is not supported on {resource} by the stand-in")
         self._send_json(200, stored)
@@ -579,11 +890,15 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class KubeStandIn:
-    """A core/v1 ConfigMap + Pod API server with token and access reviews for tests.  See the module docstring."""
+    """A core/v1 ConfigMap, Pod, Node and Event API server with token and access reviews for tests.
+    See the module docstring."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, history: int = 1000, rbac: bool = False):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, history: int = 1000, rbac: bool = False,
+                 event_ttl: float = EVENT_TTL_S, clock=time.monotonic):
+        """`clock`: seconds on any scale, for the Events' TTL only."""
         self._address = (host, port)
-        self._state = _State(history)
+        self._state = _State(history, clock)
+        self._state.event_ttl = event_ttl
         self._watchers = 0  # open watch streams, guarded by _state.cond
         self._lock = threading.Condition()  # requests log, failure injections, open connections, auth, holds
         self._requests: list[tuple[str, str]] = []
@@ -785,28 +1100,71 @@ class KubeStandIn:
     # -- direct state access (same versioning and watch fan-out as the HTTP API)
 
     def put(self, obj: dict) -> dict:
-        """Create or replace a ConfigMap/Pod dict (kind required; namespace defaults to 'default')."""
+        """Create or replace a ConfigMap/Pod/Node/Event dict, status included (kind required; the
+        namespace defaults to 'default', a Node has none)."""
         obj = copy.deepcopy(obj)
         obj["kind"] = _kind_of(obj.get("kind", ""))
         meta = obj.setdefault("metadata", {})
-        meta.setdefault("namespace", "default")
+        if obj["kind"] in CLUSTER_SCOPED:
+            meta.pop("namespace", None)
+        else:
+            meta.setdefault("namespace", "default")
         if not meta.get("name"):
             raise ValueError("metadata.name is required")
         with self._state.cond:
+            if meta.get("namespace"):  # the test's setup made the namespace too
+                self._state.namespaces.setdefault(meta["namespace"], "Active")
             return self._state.write(obj, create=True, update=True)
+
+    def add_namespace(self, name: str) -> None:
+        with self._state.cond:
+            self._state.namespaces[name] = "Active"
+
+    def terminate_namespace(self, name: str) -> None:
+        """Mark the namespace as being deleted (its finalizers still run): its objects stay and may be
+        written, nothing new may be created in it."""
+        with self._state.cond:
+            self._state.namespaces[name] = "Terminating"
+
+    def delete_namespace(self, name: str) -> None:
+        """The namespace and everything in it are gone."""
+        with self._state.cond:
+            self._state.namespaces.pop(name, None)
+            for kind, namespace, item in [key for key in self._state.objects if key[1] == name]:
+                self._state.remove(kind, namespace, item)
+
+    def expire_events(self) -> None:
+        """Every Event's TTL passes now: the API server deletes them all."""
+        with self._state.cond:
+            self._state.expire(everything=True)
 
     def delete(self, kind: str, namespace: str, name: str) -> dict | None:
         with self._state.cond:
             return self._state.remove(_kind_of(kind), namespace, name)
 
     def get(self, kind: str, namespace: str, name: str) -> dict | None:
+        """One object; `namespace` "" (or None) for a Node."""
         with self._state.cond:
-            obj = self._state.objects.get((_kind_of(kind), namespace, name))
+            self._state.expire()
+            obj = self._state.objects.get((_kind_of(kind), namespace or "", name))
             return copy.deepcopy(obj)
 
     def list(self, kind: str, namespace: str | None = None) -> list[dict]:
         with self._state.cond:
+            self._state.expire()
             return self._state.select(_kind_of(kind), namespace)
+
+    @property
+    def event_ttl(self) -> float:
+        """Seconds an Event lives after its last write (the API server's --event-ttl)."""
+        with self._state.cond:
+            return self._state.event_ttl
+
+    @event_ttl.setter
+    def event_ttl(self, seconds: float) -> None:
+        """Applies to Events written from now on."""
+        with self._state.cond:
+            self._state.event_ttl = seconds
 
     @property
     def resource_version(self) -> str:

@@ -1,0 +1,1 @@
+"""The node's `NPUProblem` condition (`kubectl describe node`): what it says (condition), how it is written (sink)."""
