@@ -17,7 +17,6 @@ from agent.model import ActiveCode, DeviceState, Health, Level
 # this soon after the line it follows joins that line (both revisions named), instead of a second line.
 JOIN_S = 0.5
 
-HEALTH = {Health.HEALTHY: "healthy", Health.UNHEALTHY: "unhealthy", Health.UNKNOWN: "unknown"}
 
 LEGEND = """\
   fault changes, one line per change of an NPU's state (the same changes as `npu-node-agent faults --follow`):
@@ -49,7 +48,7 @@ def describe(before: DeviceState | None, after: DeviceState) -> str:
     said += [f"{code.text} cleared" for key, code in old.items() if key not in new]
     if before.health != after.health:
         held = [c for c in after.codes if c.escalated_by] if after.health is Health.HEALTHY else []
-        said.append(f"driver health {HEALTH[before.health]} -> {HEALTH[after.health]}"
+        said.append(f"driver health {before.health.name.lower()} -> {after.health.name.lower()}"
                     + "".join(f"; {c.text} stays {c.level.name} (held by {c.escalated_by})" for c in held))
     if not said:  # a change the columns do not show (a start time, a severity): still one line, saying so
         said.append("no change in level, codes or health (a start time or severity)")
@@ -59,14 +58,14 @@ def describe(before: DeviceState | None, after: DeviceState) -> str:
 def change_line(elapsed_s: float, revision: int | str, before: DeviceState | None, after: DeviceState,
                 pods: str) -> str:
     return (f"[{elapsed_s:5.1f}s] rev {revision!s:<3} {'NPU' + str(after.phy_id):<6} {after.level.name:<19} "
-            f"{HEALTH[after.health]:<9} {describe(before, after)}" + (f"  {pods}" if pods else ""))
+            f"{after.health.name.lower():<9} {describe(before, after)}" + (f"  {pods}" if pods else ""))
 
 
 def first_readings_line(elapsed_s: float, revisions: list[int], states: list[DeviceState]) -> str:
     """The devices' first states at once, when none has a fault (the agent has just listed them)."""
     ids = sorted(s.phy_id for s in states)
     span = f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 1 else ",".join(map(str, ids))
-    healths = sorted({HEALTH[s.health] for s in states})
+    healths = sorted({s.health.name.lower() for s in states})
     revs = f"{min(revisions)}-{max(revisions)}" if len(revisions) > 1 else str(revisions[0])
     return (f"[{elapsed_s:5.1f}s] rev {revs:<3} {'NPU' + span:<6} {Level.NormalNPU.name:<19} {'/'.join(healths):<9} "
             f"first reading of {len(states)} NPU(s): no fault")

@@ -59,8 +59,7 @@ class DeviceMonitor:
         self._polls: dict[int, asyncio.Task] = {}  # logic id -> running poll
         self._scheduled: dict[int, asyncio.TimerHandle] = {}
         self._by_logic: dict[int, DeviceInfo] = {}
-        self._last_error: dict[int, str] = {}
-        self.read_errors: dict[int, str] = {}  # phy id -> why its last read failed (the fault stream says so)
+        self._last_error: dict[int, str] = {}  # logic id -> why its last read failed ("" when it worked)
         self._first_unknown = Once()  # ("device", logic id) / ("assertion", value) logged
         self.devices: list[DeviceInfo] = []
         self.code_order: dict[int, tuple[int, ...]] = {}  # phy id -> its codes as the driver last listed them
@@ -94,6 +93,12 @@ class DeviceMonitor:
     def driver_problem(self) -> str:
         """Why the driver cannot be used: "" once it is open, and before the first attempt."""
         return "" if self.error == NOT_STARTED else self.error
+
+    @property
+    def read_errors(self) -> dict[int, str]:
+        """Physical id -> why its last read failed, for the devices whose last read failed (the fault stream says so)."""
+        return {self._by_logic[logic].phy_id: "no answer from the driver" if kind == "no answer" else kind
+                for logic, kind in self._last_error.items() if kind and logic in self._by_logic}
 
     def readiness(self) -> tuple[bool, str]:
         if not self.devices:
@@ -266,10 +271,6 @@ class DeviceMonitor:
             else:
                 log.info("device read works again", extra={"device": device.phy_id, "logic_id": device.logic_id})
             self._last_error[device.logic_id] = kind
-            if reading.error:
-                self.read_errors[device.phy_id] = "no answer from the driver" if kind == "no answer" else kind
-            else:
-                self.read_errors.pop(device.phy_id, None)
         if reading.codes is not None:
             self.code_order[device.phy_id] = reading.order
         self._observer.on_reading(device, reading, started_ms)
