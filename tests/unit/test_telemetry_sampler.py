@@ -154,7 +154,8 @@ def test_rendering_card_labels_pods_container_families_and_node_families():
         pods = {7: (PodRef("ns", "train-0", "main"),), 6: (PodRef("ns", "a", "c"), PodRef("ns", "b", "c"))}
         await sampler.start()
         try:
-            await until(lambda: sampler.node_samples and len(sampler.samples) >= 10, 10, "every read once")
+            reads = len(DEVICES) * len(source.reads(None))  # every (chip, read) pair: a scrape before one is missing omits it
+            await until(lambda: sampler.node_samples and len(sampler.samples) == reads, 10, "every read once")
             families = scrape(sampler, lambda phy: pods.get(phy, ()))
         finally:
             await sampler.stop()
