@@ -175,6 +175,7 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     wants_jobs = kube.enabled and (config.profiling.metrics or config.taskd_proxy.enabled)
     configmap_watches = len(config.datatrace.namespaces) or 1 if config.datatrace.enabled else 0
     watches = int(wants_jobs or config.datatrace.enabled) + configmap_watches  # pods, configmaps
+    watches += int(kube.enabled and config.clusterd.enabled and bool(config.clusterd.pods))  # ClusterD's pods
     # One call at a time each: the node condition, or with it off the removal of an earlier run's; the Events.
     writers = int(kube.enabled) + int(kube.enabled and kube.events)
     kube_lane = executor.lane("kube", watches + 2 + writers)
@@ -196,12 +197,22 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     pods_of = attribution.pods_of if attribution else no_pods
 
     sinks: list[Sink] = []
+    observers = []  # what the sinks learn of their peers from the API server (started before them)
     if config.clusterd.enabled:
         from agent.sinks.clusterd.metrics import ClusterdCollector
         from agent.sinks.clusterd.sink import ClusterdSink
 
+        observer = None
+        if kube.enabled and (config.clusterd.pods or config.clusterd.saved_faults):
+            from agent.kube.client import core_api
+            from agent.sinks.clusterd.observe import ClusterdObserver
+
+            observer = ClusterdObserver(config.clusterd.pods, config.clusterd.saved_faults, api_factory=core_api,
+                                        kube=kube_lane, watch_timeout_s=kube.watch_timeout_seconds)
+            observers.append(observer)
         # Until every device was polled, the log's last states may be stale: ClusterD waits for the hub.
-        clusterd = ClusterdSink(config.clusterd, node, fault_log, clock, pods_of, devices_known=lambda: hub.current)
+        clusterd = ClusterdSink(config.clusterd, node, fault_log, clock, pods_of, devices_known=lambda: hub.current,
+                                observer=observer)
         sinks.append(clusterd)
         collectors.append(ClusterdCollector(node, clusterd))
     if kube.enabled and kube.device_info_configmap:
@@ -336,7 +347,7 @@ def build(config: Config, backend: DeviceBackend | None = None, clock: Callable[
     # servers, so /readyz and the stream answer while the driver is still being opened; sinks before
     # the sources that feed them; the pod watch before the profiling parts that read it.
     first = [*([tls] if tls else []), *([attribution] if attribution else [])]
-    rest = [*servers, *sinks, *removal, faults, monitor, *([telemetry] if telemetry else []),
+    rest = [*servers, *observers, *sinks, *removal, faults, monitor, *([telemetry] if telemetry else []),
             *([node_pods] if node_pods and node_pods.subscribed else []), *profiling]
     readiness = Readiness([*first, *rest])  # the endpoint that answers /readyz is ready by answering
     # Each subsystem's families (the telemetry, profiling, datatrace and proxy ones are above).

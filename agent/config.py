@@ -192,6 +192,18 @@ def _resource_names(text: str) -> None:
         raise ValueError(f"{quote(text)} lists a resource twice")
 
 
+def namespaced(text: str) -> tuple[str, str]:
+    """`namespace/rest` (`clusterd.pods`, `clusterd.saved_faults`) as its two parts; ("", "") when empty."""
+    namespace, _, rest = text.partition("/")
+    return (namespace, rest) if text else ("", "")
+
+
+def _namespaced(text: str) -> None:
+    namespace, rest = namespaced(text)
+    if text and (not NAMESPACE.fullmatch(namespace) or not rest.strip()):
+        raise ValueError(f"{quote(text)} is not `namespace/...` with a namespace name and something after the '/'")
+
+
 DEFAULT_PUBLIC_CODES = {
     "SubHealthFault": "010011001", "PreSeparateNPU": "010011002", "RestartRequest": "020011002",
     "RestartBusiness": "020011002", "FreeRestartNPU": "020011002", "RestartNPU": "020011002",
@@ -225,6 +237,15 @@ class ClusterdConfig:
                              "(a period of at least 25 s per node and resource), and up to 256 nodes keep their "
                              "connection while they hold faults (to re-send at once when ClusterD restarts); set it "
                              "on larger clusters, whose nodes then connect only to send", between=(1, 1000000))
+    pods: str = key("mindx-dl/app=clusterd", "ClusterD's pods as `namespace/label-selector`, watched (with "
+                    "`kubernetes.enabled`) to notice a ClusterD restart that a node connected only to send (`cluster_nodes` "
+                    "above 256) cannot see; the node then checks `saved_faults` and sends what ClusterD lacks; empty: "
+                    "not watched", check=_namespaced, accepts="`NAMESPACE/SELECTOR` or `\"\"`")
+    saved_faults: str = key("cluster-system/statistic-fault-info", "the ConfigMap where ClusterD saves its public "
+                            "faults, as `namespace/name`, read (with `kubernetes.enabled`) after a ClusterD restart "
+                            "and at each periodic re-sending, so that only what ClusterD lacks, or holds and should "
+                            "not, is sent; empty, unreadable, or stale (over 4,500 faults): everything is re-sent",
+                            check=_namespaced, accepts="`NAMESPACE/NAME` or `\"\"`")
     idle_disconnect_seconds: float = key(
         60.0, "how long the connection to ClusterD stays open after the last request (ClusterD admits 1,024 "
         "connections for the whole cluster); with `cluster_nodes` up to 256, a node holding faults stays connected",

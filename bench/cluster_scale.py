@@ -34,7 +34,15 @@ Scenarios (`--scenarios`):
   (`--restart-down` s down, its saved cache reloaded 5 s after it serves), and 20 other nodes raise
   a fault 10 s after it serves again. Per-node delay: for the K nodes, until ClusterD holds their
   fault again; for the 20, as in a storm (a re-assertion flood makes them wait).
-* restart-lost: the same, but ClusterD's saved cache is gone (its ConfigMap deleted).
+* restart-lost: the same, but ClusterD's saved cache is gone (its ConfigMap deleted); bound =
+  K + 20 - 100 s (every fault is sent again).
+
+The API server is the Kubernetes stand-in (testkit/fakes/kube): the ClusterD stand-in saves its cache
+in the ConfigMap `cluster-system/statistic-fault-info` there and keeps its pod `mindx-dl/clusterd-*`
+(restarts counted), as ClusterD and the kubelet do. The current sink sees them through its real
+observer (agent/sinks/clusterd/observe.py): one per worker process, shared by that worker's sinks
+(the pod watch is the same for every node; each node reads the ConfigMap itself, with its own GET).
+Its watch is renewed every 2 s of real time (the watch's own time-outs are not scaled).
 * flap: `--flappers` nodes each flip one NPU between SeparateNPU and healthy every 30 s for 10
   minutes; per-change delay (the occur or recover accepted - the change).
 * day: every node holds a fault, then 24 h with no change (`--day-scale`): requests that are
@@ -73,6 +81,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 
 from bench.stats import percentile  # noqa: E402
 from testkit.fakes.clusterd import DEFAULT_CONFIG, ClusterdStandIn  # noqa: E402
+from testkit.fakes.kube import KubeStandIn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINE_COMMIT = "e5e1effcc10ec4b21a957d709106a005ce1e6ced"  # the sink before the scale work
@@ -137,6 +146,7 @@ class WorkerSpec:
     origin: float  # real time.time() at which the scenario clock was `origin`
     scale: float
     config: dict = field(default_factory=dict)  # ClusterdConfig keys
+    kubeconfig: str = ""  # the API server's, for the current sink's observer
 
 
 def worker_main(spec: WorkerSpec, conn) -> None:
@@ -168,9 +178,21 @@ async def _worker(spec: WorkerSpec, conn) -> None:
         from agent.sinks.clusterd.sink import ClusterdSink as Sink
     config = ClusterdConfig(enabled=True, address=spec.address, **spec.config)
     root = Path(tempfile.mkdtemp(prefix="cluster-scale-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    lane = Executor("bench").lane("fault-log", 4)
+    executor = Executor("bench")
+    lane = executor.lane("fault-log", 4)
     logs, sinks = {}, {}
     kwargs = {} if spec.variant == "baseline" else {"monotonic": loop.time}
+    observer = None
+    if spec.variant == "current" and spec.kubeconfig:
+        from kubernetes import client, config as kube_config
+        from agent.sinks.clusterd.observe import ClusterdObserver
+
+        observer = ClusterdObserver(
+            "mindx-dl/app=clusterd", "cluster-system/statistic-fault-info", kube=executor.lane("kube", 8),
+            api_factory=lambda: client.CoreV1Api(kube_config.new_client_from_config(config_file=spec.kubeconfig)),
+            watch_timeout_s=2)
+        await observer.start()
+        kwargs["observer"] = observer
     for i in spec.nodes:
         log = FaultLog(root / str(i), lane=lane, clock=wall)
         log.open()
@@ -215,12 +237,19 @@ async def _worker(spec: WorkerSpec, conn) -> None:
             for sink in sinks.values():
                 counters.update(sink.counters)
                 reconciles.update(sink.reconciles)
+                reconciles.update({f"checked {k}": v for k, v in getattr(sink, "checks", {}).items() if v})
             pending = sum(1 for sink in sinks.values() if sink.pending)
+            if observer is not None:
+                reconciles.update({f"observer {k}": v for k, v in observer.counters.items()})
+                if observer.unavailable:
+                    reconciles[f"observer unavailable: {observer.unavailable[:80]}"] = 1
             conn.send(("stats", dict(counters), dict(reconciles), pending, list(lag)))
             lag.clear()
         elif command == "stop":
             tick.cancel()
             await asyncio.gather(*(sink.stop() for sink in sinks.values()), return_exceptions=True)
+            if observer is not None:
+                await observer.stop()
             for log in logs.values():
                 await log.close_async()
             shutil.rmtree(root, ignore_errors=True)
@@ -252,8 +281,11 @@ class Cluster:
         config = dict(DEFAULT_CONFIG)
         self.resources = resources or ["npu-node-agent"]
         config["publicFaultResource"] = [*DEFAULT_CONFIG["publicFaultResource"], *self.resources]
+        self.kube = KubeStandIn().start()
+        self._kube_dir = tempfile.mkdtemp(prefix="cluster-scale-kube-")
+        kubeconfig = self.kube.write_kubeconfig(Path(self._kube_dir) / "kubeconfig")
         self.standin = ClusterdStandIn(config, clock=self.now, listener_cap=(CAP, None), cap_in_grpc=True,
-                                       reload_delay_s=reload_delay_s).start()
+                                       reload_delay_s=reload_delay_s, kube=self.kube).start()
         settings = {"cluster_nodes": args.nodes}
         if resources:
             settings["resources"] = ",".join(resources)
@@ -265,7 +297,8 @@ class Cluster:
         for w in range(args.workers):
             mine = nodes[w::args.workers]
             parent, child = context.Pipe()
-            spec = WorkerSpec(variant, mine, f"127.0.0.1:{self.standin.port}", self.origin, scale, settings)
+            spec = WorkerSpec(variant, mine, f"127.0.0.1:{self.standin.port}", self.origin, scale, settings,
+                              kubeconfig)
             process = context.Process(target=worker_main, args=(spec, child), daemon=True)
             process.start()
             self.workers.append((process, parent, set(mine)))
@@ -338,6 +371,8 @@ class Cluster:
             if process.is_alive():
                 process.kill()
         self.standin.stop()
+        self.kube.stop()
+        shutil.rmtree(self._kube_dir, ignore_errors=True)
 
     # -- what the stand-in saw --
 
@@ -481,7 +516,9 @@ def restart(args, variant: str, persisted: bool) -> Result:
         late_delays = sorted(firsts[n] - injected[i] for i, n in zip(late, map(node_name, late)) if n in firsts)
         done = (want | late_names) <= cluster.held_nodes()
         converged = max(delays + late_delays) if done else None
-        result = _figures(cluster, name, k, 0.0, converged, delays, first, started,
+        # Lost: every fault is sent again, the 20 new ones with them (the burst at once, then 1/s).
+        bound = 0.0 if persisted else max(0.0, k + len(late) - BURST)
+        result = _figures(cluster, name, k, bound, converged, delays, first, started,
                           note=f"{len(want) - len(delays)} of {k} faults not held again within {deadline - back:.0f} s"
                           if len(delays) < len(want) else "")
         result.extra["late"] = late_delays
@@ -601,8 +638,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=1000)
-    parser.add_argument("--scenarios", default="storm-50,storm-500,storm-all,sharded-all,restart,flap,day",
-                        help="comma-separated; also restart-lost")
+    parser.add_argument("--scenarios", default="storm-50,storm-500,storm-all,sharded-all,restart,restart-lost,flap,day",
+                        help="comma-separated")
     parser.add_argument("--variants", default="baseline,current")
     parser.add_argument("--scale", type=float, default=10.0, help="scenario seconds per real second")
     parser.add_argument("--day-scale", type=float, default=400.0, help="--scale of the day scenario")

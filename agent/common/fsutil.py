@@ -13,6 +13,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from agent.common.ratelimit import doubling
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -143,7 +145,7 @@ class WriteRetry:
             log.error(f"cannot write the {self.what}; kept in memory and retried with backoff",
                       extra={"error": str(exc), **context})
         self.error = str(exc) or type(exc).__name__
-        return min(self._max_s, self._first_s * 2 ** (self._streak - 1)) * random.uniform(0.8, 1.0)
+        return doubling(self._streak - 1, self._first_s, self._max_s) * random.uniform(0.8, 1.0)
 
     def succeeded(self) -> None:
         if self.error:

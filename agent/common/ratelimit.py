@@ -1,8 +1,14 @@
-"""A token bucket (rate and burst), for driver events and for requests to ClusterD."""
+"""A token bucket (rate and burst), for driver events and for requests to ClusterD; exponential backoff."""
 
 from __future__ import annotations
 
 from typing import Callable
+
+
+def doubling(attempt: int, first_s: float, max_s: float) -> float:
+    """`first_s` doubled `attempt` times, at most `max_s`. The exponent is capped: a peer away for
+    days makes thousands of attempts, and 2.0 ** 1024 is an OverflowError, not a long wait."""
+    return min(max_s, first_s * 2.0 ** min(max(attempt, 0), 64))
 
 
 class TokenBucket:

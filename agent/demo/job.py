@@ -92,7 +92,7 @@ class DemoJob:
     def _start_line(self, rank: int, records: list[str]) -> str:
         """The host start record of the step among its records (written early by open_lines)."""
         return next(line for line in records if line.startswith('{"Kind":1,"Flag":16,"SourceKind":0,') and
-                    f'"Name":"step ' in line)
+                    '"Name":"step ' in line)
 
     async def run(self) -> None:
         self.prepare()

@@ -23,6 +23,7 @@ from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
 from agent.common.executor import CallTimeout, Lane
+from agent.common.ratelimit import doubling
 from agent.lifecycle import restarts
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class ListWatch(Generic[T]):
         self.synced = False
         self._seen: set[str] = set()  # unexpected errors whose traceback was logged
         self.problem = ""  # the last unexpected failure, until a list succeeds again
+        self.forbidden = False  # the last list or watch was refused (403: a missing grant), until one works
         self.counters: Counter[str] = Counter()  # lists, events, relist_expired, error_<reason>
 
     def stop(self) -> None:
@@ -87,6 +89,7 @@ class ListWatch(Generic[T]):
                     log.info("kubernetes watch expired (410); relisting", extra={"watch": self.name})
                     continue
                 reason = f"http_{exc.status}"
+                self.forbidden = exc.status == 403
             except (urllib3.exceptions.HTTPError, OSError, ValueError, CallTimeout) as exc:
                 reason = f"{type(exc).__name__}"
             except Exception as exc:  # a bug, or an object of a shape nobody foresaw: relist, never end the watch
@@ -101,7 +104,7 @@ class ListWatch(Generic[T]):
                 return
             self.counters[f"error_{reason}"] += 1
             attempt += 1
-            delay = random.uniform(0.5, min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** attempt))
+            delay = random.uniform(0.5, doubling(attempt, BACKOFF_FIRST_S, BACKOFF_MAX_S))
             # A broken watch resumes from the last version seen (a 410 then relists); a failed list retries.
             log.warning("kubernetes list/watch failed; retrying", extra={
                 "watch": self.name, "reason": reason, "retry_in_s": round(delay, 2),
@@ -119,6 +122,7 @@ class ListWatch(Generic[T]):
         self._objects = objects
         self._version = result.metadata.resource_version
         self.problem = ""
+        self.forbidden = False
         self._publish()
 
     def _follow(self) -> None:

@@ -389,3 +389,40 @@ def test_notes_say_what_the_install_got(helm):
     assert "every agent may write every ConfigMap in kube-system" in notes
     assert "ConfigMaps only in team-a" in notes and "jobs in other namespaces get no profiling switch files" in notes
     assert "agent.http.token_auth without TLS" in notes  # kubernetes-full scrapes with tokens, in clear text
+
+
+# --- ClusterD's pods and saved faults: read where they live, by name where a name is known ---------
+
+CLUSTERD = ("agent.kubernetes.enabled=true", "agent.clusterd.enabled=true")
+
+
+def test_clusterd_s_pods_and_saved_faults_are_read_only_in_their_namespaces(helm):
+    rendered = helm.render(None, *CLUSTERD)
+    _valid(rendered)
+    pods = rendered.one("Role", f"{RELEASE}-clusterd-pods")
+    assert pods["metadata"]["namespace"] == "mindx-dl"
+    assert pods["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+    saved = rendered.one("Role", f"{RELEASE}-clusterd-saved-faults")
+    assert saved["metadata"]["namespace"] == "cluster-system"
+    assert saved["rules"] == [{"apiGroups": [""], "resources": ["configmaps"],
+                               "resourceNames": ["statistic-fault-info"], "verbs": ["get"]}]
+    for role in (pods, saved):
+        binding = rendered.one("RoleBinding", role["metadata"]["name"])
+        assert binding["metadata"]["namespace"] == role["metadata"]["namespace"]
+        assert binding["roleRef"]["name"] == role["metadata"]["name"]
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}]
+
+
+@pytest.mark.parametrize("sets, roles", [
+    ((*CLUSTERD, "agent.clusterd.pods=ops/component=clusterd", "agent.clusterd.saved_faults="),
+     {("ops", "clusterd-pods")}),
+    ((*CLUSTERD, "agent.clusterd.pods="), {("cluster-system", "clusterd-saved-faults")}),
+    (("agent.clusterd.enabled=true",), set()),     # no API server: nothing to grant
+    (("agent.kubernetes.enabled=true",), set()),   # no ClusterD sink
+    ((*CLUSTERD, "rbac.create=false"), set()),
+])
+def test_clusterd_roles_follow_the_settings(helm, sets, roles):
+    rendered = helm.render(None, *sets)
+    found = {(d["metadata"]["namespace"], d["metadata"]["name"].removeprefix(f"{RELEASE}-"))
+             for d in rendered.all("Role") if "clusterd" in d["metadata"]["name"]}
+    assert found == roles

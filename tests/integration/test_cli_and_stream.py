@@ -35,6 +35,57 @@ def simulated_agent(tmp_path, steps: list[dict]) -> AgentProcess:
                                                "simulated": {"devices": 4, "scenario": str(scenario)}}}).start()
 
 
+class BackgroundDemo:
+    """`npu-node-agent demo <args>` started now in a process of its own; `result` waits for its end."""
+
+    def __init__(self, base: Path, *args: str):
+        self.workdir = base / "demo"
+        self.stdout, self.stderr = base / "stdout", base / "stderr"  # files: nobody reads a pipe meanwhile
+        self.started = time.monotonic()
+        with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "agent", "demo", *args, "--workdir", str(self.workdir)],
+                cwd=REPO, stdout=out, stderr=err, text=True)
+        self.took: float | None = None
+        self._waiter = threading.Thread(target=self._wait, name="demo", daemon=True)
+        self._waiter.start()
+
+    def _wait(self) -> None:
+        self.process.wait()
+        self.took = time.monotonic() - self.started
+
+    def result(self, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+        """What it printed, and how long it ran; killed once `timeout` s have passed since its start."""
+        self._waiter.join(max(0.0, self.started + timeout - time.monotonic()))
+        if self._waiter.is_alive():
+            self.stop()
+            raise AssertionError(f"the demo ran over {timeout} s:\n{self.stdout.read_text()[-4000:]}")
+        done = subprocess.CompletedProcess(self.process.args, self.process.returncode, self.stdout.read_text(),
+                                           self.stderr.read_text())
+        return done, self.took
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+
+DEMO_TEST = "test_demo_shows_faults_appearing_escalating_and_clearing"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def demo(request, tmp_path_factory):
+    """The demo plays 27 s of scripted faults and mostly waits on them (2 s of CPU), so it runs from the
+    module's start beside the other tests; its test, the module's last, reads what it printed. Started
+    only when that test is to run."""
+    if not any(item.name == DEMO_TEST for item in request.session.items):
+        yield None
+        return
+    running = BackgroundDemo(tmp_path_factory.mktemp("demo"), "--duration", "27", "--slow-after", "18")
+    yield running
+    running.stop()  # its test failed or never waited
+
+
 def test_stream_snapshot_changes_resume_and_health(tmp_path):
     agent = simulated_agent(tmp_path, [
         {"at": 0.5, "device": 2, "action": "occur", "code": "80E18402", "severity": 3},
@@ -211,44 +262,6 @@ def test_version():
     assert "native extension: loaded" in result.stdout  # built by pip install (CI has a C compiler)
 
 
-def test_demo_shows_faults_appearing_escalating_and_clearing(tmp_path):
-    started = time.monotonic()
-    result = cli("demo", "--duration", "27", "--slow-after", "18", "--workdir", str(tmp_path / "demo"), timeout=90)
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
-    assert "http://127.0.0.1:" in out and "/metrics" in out and "npu-node-agent faults --target" in out
-    assert "LEVEL   the agent's verdict" in out and "HEALTH  the driver's own reading of the chip" in out  # the legend
-    assert re.search(r"rev 1-8 NPU0-7 +NormalNPU +healthy +first reading of 8 NPU\(s\): no fault", out), out
-    # Appearing, with the pod holding the NPU; the driver's health follows at the next poll (or in the same line).
-    assert re.search(r"NPU1 +SeparateNPU +(un)?healthy +80E18402 occurred: SeparateNPU(; driver health healthy -> "
-                     r"unhealthy)?  \[pod demo/demo-job-worker-0\]", out), out
-    assert "80E18005 occurred: ManuallySeparateNPU by FaultFrequency" in out  # escalating by frequency
-    assert "81078603 NotHandleFault -> PreSeparateNPU by FaultDuration  [pod demo/demo-job-worker-1]" in out
-    # Held by its rule on a chip the driver calls healthy again: one line that says so, not a contradiction.
-    assert "driver health unhealthy -> healthy; 80E18005 stays ManuallySeparateNPU (held by FaultFrequency)" in out
-    assert re.search(r"NPU3 +NormalNPU +healthy +80C98009 cleared", out), out  # found and cleared by polling
-    assert "ClusterD <- occur   020011001 NPU1 SeparateNPU pod demo/demo-job-worker-0" in out  # with its pod
-    # Every revision printed once, none twice, none left out: `rev 1-8` (the first readings), `rev 9,10` (a fault
-    # and the health polled within 0.5 s of it: tests/unit/test_demo_changes.py), `rev 11`.
-    revisions = []
-    for said in re.findall(r"\] rev ([\d,-]+) ", out):
-        for part in said.split(","):
-            first, _, last = part.partition("-")
-            revisions += range(int(first), int(last or first) + 1)
-    assert sorted(revisions) == list(range(1, len(revisions) + 1)) and len(revisions) > 20, revisions
-    assert "ClusterD <- recover 020011001 NPU1 SeparateNPU" in out
-    assert "DROPPED" not in out
-    assert "disk guard: over 1 MiB -> aged " in out  # the simulated job's records
-    # rank 5, 15 % slower from 18 s. Evidence is step-indexed: the first verdict may come while the slow steps are
-    # half of the last 8 (+8 %, the median of the window) or after (+15 %), as the records happen to be read.
-    excess = re.search(r"slow worker 5 \(rank\(s\) 5, stage 1\) of job demo-job: computes \+(\d+)% over", out)
-    assert excess and 5 <= int(excess.group(1)) <= 16, out
-    assert "slow rank(s) 0-15 of job demo-job: reason=temporal" in out  # every rank waits for it
-    assert time.monotonic() - started < 40
-    assert (tmp_path / "demo" / "config.yaml").is_file()
-    assert cli("check-config", str(tmp_path / "demo" / "config.yaml")).returncode == 0
-
-
 def test_generated_stubs_are_up_to_date():
     result = subprocess.run([sys.executable, "proto/generate.py", "--check"], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -386,3 +399,41 @@ def test_faults_timeout_must_be_a_finite_positive_number(value):
     result = cli("faults", "--target", "127.0.0.1:1", "--timeout", value, timeout=30)  # nan once waited forever
     assert result.returncode == 2
     assert f"argument --timeout: expected seconds > 0 and <= 2592000, got '{value}'" in result.stderr
+
+
+# Last in the module: the demo has been running since the module started (see `demo`).
+def test_demo_shows_faults_appearing_escalating_and_clearing(demo):
+    result, took = demo.result(timeout=90)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "http://127.0.0.1:" in out and "/metrics" in out and "npu-node-agent faults --target" in out
+    assert "LEVEL   the agent's verdict" in out and "HEALTH  the driver's own reading of the chip" in out  # the legend
+    assert re.search(r"rev 1-8 NPU0-7 +NormalNPU +healthy +first reading of 8 NPU\(s\): no fault", out), out
+    # Appearing, with the pod holding the NPU; the driver's health follows at the next poll (or in the same line).
+    assert re.search(r"NPU1 +SeparateNPU +(un)?healthy +80E18402 occurred: SeparateNPU(; driver health healthy -> "
+                     r"unhealthy)?  \[pod demo/demo-job-worker-0\]", out), out
+    assert "80E18005 occurred: ManuallySeparateNPU by FaultFrequency" in out  # escalating by frequency
+    assert "81078603 NotHandleFault -> PreSeparateNPU by FaultDuration  [pod demo/demo-job-worker-1]" in out
+    # Held by its rule on a chip the driver calls healthy again: one line that says so, not a contradiction.
+    assert "driver health unhealthy -> healthy; 80E18005 stays ManuallySeparateNPU (held by FaultFrequency)" in out
+    assert re.search(r"NPU3 +NormalNPU +healthy +80C98009 cleared", out), out  # found and cleared by polling
+    assert "ClusterD <- occur   020011001 NPU1 SeparateNPU pod demo/demo-job-worker-0" in out  # with its pod
+    # Every revision printed once, none twice, none left out: `rev 1-8` (the first readings), `rev 9,10` (a fault
+    # and the health polled within 0.5 s of it: tests/unit/test_demo_changes.py), `rev 11`.
+    revisions = []
+    for said in re.findall(r"\] rev ([\d,-]+) ", out):
+        for part in said.split(","):
+            first, _, last = part.partition("-")
+            revisions += range(int(first), int(last or first) + 1)
+    assert sorted(revisions) == list(range(1, len(revisions) + 1)) and len(revisions) > 20, revisions
+    assert "ClusterD <- recover 020011001 NPU1 SeparateNPU" in out
+    assert "DROPPED" not in out
+    assert "disk guard: over 1 MiB -> aged " in out  # the simulated job's records
+    # rank 5, 15 % slower from 18 s. Evidence is step-indexed: the first verdict may come while the slow steps are
+    # half of the last 8 (+8 %, the median of the window) or after (+15 %), as the records happen to be read.
+    excess = re.search(r"slow worker 5 \(rank\(s\) 5, stage 1\) of job demo-job: computes \+(\d+)% over", out)
+    assert excess and 5 <= int(excess.group(1)) <= 16, out
+    assert "slow rank(s) 0-15 of job demo-job: reason=temporal" in out  # every rank waits for it
+    assert took < 40  # from its start to its exit: it stops on time
+    assert (demo.workdir / "config.yaml").is_file()
+    assert cli("check-config", str(demo.workdir / "config.yaml")).returncode == 0

@@ -58,7 +58,14 @@ class Node:
         return mgr
 
     def close(self):
-        for peer in [*self.workers.values(), *self.managers.values()]:
+        peers = [*self.workers.values(), *self.managers.values()]
+        for peer in peers:  # all told first: each takes ~0.1 s to exit, and they need not take turns
+            if peer.process.poll() is None:
+                try:
+                    peer.send(op="quit")
+                except (BrokenPipeError, ValueError, OSError):
+                    pass  # gone already; stop() below reaps it
+        for peer in peers:
             peer.stop()
         self.agent.stop()
 
@@ -264,6 +271,12 @@ def reached(mgr, peer):
     return sent["code"] == 0 and sent["ack_src"] == peer.pos, sent
 
 
+# A manager slow from its first call: the link's set-up (a path replay per worker, then the three held
+# messages) lasts 2 s in the first round and 0.6 s more each round, several times what a worker takes
+# to join (0.3-0.5 s here).
+SLOW_SETUP = {"path_delay": 0.2, "transfer_delay": 0.6}
+
+
 def test_routes_are_never_lost_whatever_the_order_of_joins(node):
     """Workers join before the manager is up, while the proxy's link to it is being set up (the
     manager answers path discoveries slowly and held messages are still going out), and after.
@@ -277,14 +290,18 @@ def test_routes_are_never_lost_whatever_the_order_of_joins(node):
             before.send(op="send", uuid=f"held-{round_}-{i}", dst=MGR, body="", sync=True, mtype="DEFAULT")
         wait_until(lambda: n.agent.metric("npu_agent_taskd_proxy_queue_depth", job_id="job-a") == 3, 10,
                    "three messages held")
-        mgr = n.start_manager("job-a")
-        mgr.request("config", "configured", path_delay=0.2, transfer_delay=0.4)
+        mgr = n.start_manager("job-a", config=SLOW_SETUP)
         mgr.wait_event(lambda e: e["event"] == "registered" and e["pos"]["role"] == "Proxy", 15)
-        # The proxy is registered and now replays paths and flushes the held messages: join now.
-        during = n.start_worker("job-a", 3 * round_ + 1, wait_ready=False)
+        # The proxy is registered and now replays paths and flushes the held messages: join now
+        # (the proxy answers a join at once, link or not).
+        during = n.start_worker("job-a", 3 * round_ + 1)
         peers.append(during)
+        # Joined: the slowness has done its part, and the rest of the set-up may go at full speed.
+        mgr.config(path_delay=0, transfer_delay=0)
         wait_until(lambda: n.agent.metric("npu_agent_taskd_proxy_manager_up", job_id="job-a") == 1, 20, "link up")
-        during.wait_event("ready", 20)
+        # It did join during the set-up: the link counted it among the workers it announced on connecting.
+        connected = n.agent.wait_for_log("connected to the TaskD manager", job="job-a")
+        assert connected["workers_announced"] == len(peers), (round_, connected)
         peers.append(n.start_worker("job-a", 3 * round_ + 2))
         for i in range(3):
             sent = before.wait_event(lambda e: e.get("event") == "sent" and e["uuid"] == f"held-{round_}-{i}")

@@ -162,3 +162,20 @@ def test_a_resource_list_with_a_hole_or_a_repeat_is_refused(text, problem):
 
 def test_resource_names_reads_the_list():
     assert resource_names("") == [] and resource_names(" a , b") == ["a", "b"]
+
+
+def test_opening_a_connection_is_spread_over_a_second_per_500_nodes_at_most_two():
+    clock = FakeClock(0.0)
+    assert Pacing(clock, uniform=lambda low, high: high, cluster_nodes=1000).opening() == pytest.approx(2.0)
+    assert Pacing(clock, uniform=lambda low, high: high, cluster_nodes=5000).opening() == pytest.approx(2.0)  # capped
+    assert Pacing(clock, uniform=lambda low, high: high, cluster_nodes=250).opening() == pytest.approx(0.5)
+    draws = [Pacing(clock, cluster_nodes=1000).opening() for _ in range(2000)]
+    assert 0 <= min(draws) < 0.1 and 1.9 < max(draws) <= 2.0
+    assert 0.9 < sum(draws) / len(draws) < 1.1  # uniform: a thousand nodes open about 500 connections a second
+
+
+def test_a_backoff_after_days_of_failures_is_the_longest_wait_not_an_overflow():
+    from agent.common.ratelimit import doubling
+    assert [doubling(n, 1.0, 30.0) for n in (0, 1, 4, 5, 6)] == [1.0, 2.0, 16.0, 30.0, 30.0]
+    assert doubling(5000, 1.0, 30.0) == 30.0  # 2 ** 5000 would not fit a float
+    assert doubling(-1, 1.0, 30.0) == 1.0

@@ -128,6 +128,13 @@ def reassertion(view: ClusterdView) -> list[Transition]:
     return [("occur", f) for f in view.held.values()] + [("recover", f) for f, _ in view.recovered.values()]
 
 
+def differences(view: ClusterdView, saved: dict[str, PublicFault]) -> list[Transition]:
+    """What takes ClusterD from what it saved for this node (`saved`, faultId -> fault) to the view:
+    recover what it holds and should not (a deletion its restart lost), occur what it lacks."""
+    return ([("recover", f) for fid, f in saved.items() if fid not in view.held]
+            + [("occur", f) for fid, f in view.held.items() if fid not in saved])
+
+
 def current(items: list[Transition], wanted: dict[int, dict[str, PublicFault]]) -> list[Transition]:
     """`items` without the occurs of faults their device no longer has (`wanted`: the devices' public
     faults now), for a re-assertion or resync that waited while the device changed. Such a fault's

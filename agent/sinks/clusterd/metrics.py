@@ -15,7 +15,10 @@ RECONCILES = counter("npu_agent_clusterd_reconciles_total",
                      "Times the agent re-sent what ClusterD should hold (and recent recovers), by reason", "reason")
 UNSENT = counter("npu_agent_clusterd_unsent_occurrences_total",
                  "Public fault occurrences that began and ended while waiting to be sent, so never sent")
-FAMILIES = (HELD, RECONCILES, UNSENT)
+CHECKS = counter("npu_agent_clusterd_saved_checks_total",
+                 "Reads of ClusterD's saved faults before a re-assertion, by what they found: in_step (nothing "
+                 "sent), differed (only the difference sent), unknown (everything re-sent)", "result")
+FAMILIES = (HELD, RECONCILES, UNSENT, CHECKS)
 
 
 class ClusterdCollector:
@@ -31,3 +34,4 @@ class ClusterdCollector:
         yield HELD.one(node, sink.held)
         yield RECONCILES.counts(node, sink.reconciles)
         yield UNSENT.one(node, sink.unsent)
+        yield CHECKS.counts(node, sink.checks)

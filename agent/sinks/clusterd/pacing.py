@@ -21,7 +21,11 @@ bound; the delays are drawn, not fixed, so the nodes spread out, and all the nod
 waited about as long, so each has the same chance at every token (the order is a lottery, and no
 node's delay grows faster than the others').
 
-A node alone meets no refusal and never waits for the pacing.
+A node alone meets no refusal and never waits for the pacing. On a large cluster, a node that has
+to open a connection to send waits a random moment first (`opening`), up to one second per
+OPENING_CALLS_PER_S nodes and at most MAX_OPENING_S: a storm on every node then reaches ClusterD's
+listener (1,024 connections for everybody) and its 1,000 calls/s spread over that time, not in one
+instant, and a fault alone waits a second on average.
 """
 
 from __future__ import annotations
@@ -34,13 +38,16 @@ SPACING = 0.1  # the delay, as a share of how long the node (and its storm) has 
 BURST = 100.0  # ClusterD's burst per resource: a refusal means at least this many were sent before
 MIN_DELAY_S, MAX_DELAY_S = 1.0, 600.0
 EPISODE_GAP_S = 3 * MAX_DELAY_S  # a refusal this long after the last one starts a new wait
+OPENING_CALLS_PER_S = 500.0  # half of ClusterD's unary calls per second, for the whole cluster
+MAX_OPENING_S = 2.0
 
 
 class Pacing:
     def __init__(self, clock: Callable[[], float], refill_per_s: float = 1.0,
-                 uniform: Callable[[float, float], float] = random.uniform):
+                 uniform: Callable[[float, float], float] = random.uniform, cluster_nodes: int = 1):
         self._clock = clock
         self._burst_s = BURST / refill_per_s
+        self._opening_s = min(MAX_OPENING_S, cluster_nodes / OPENING_CALLS_PER_S)
         self._uniform = uniform
         self._since: float | None = None  # when this wait began (the first refusal since the last delivery)
         self._last = 0.0  # the last refusal
@@ -48,6 +55,10 @@ class Pacing:
     def waited(self) -> float:
         """Seconds since the first refusal of the current wait (0 when not waiting)."""
         return 0.0 if self._since is None else self._clock() - self._since
+
+    def opening(self) -> float:
+        """Seconds to wait before opening a connection to send (see the module's docstring)."""
+        return self._uniform(0.0, self._opening_s)
 
     def refused(self) -> float:
         """ClusterD refused a request for its rate: the seconds to wait before the next try."""

@@ -13,7 +13,7 @@ that timed out may still land. So the sink re-asserts its view (`clusterd_batch.
 whenever ClusterD may have lost it: at start, when the connection to ClusterD dropped or a request
 failed (and once more `FOLLOW_UP_S` later, for a ClusterD that reloads its cache after it started
 serving), and every `reconcile_interval_seconds`. A node with no fault held or recently recovered
-sends nothing. A re-assertion (or resync) that waits out a ClusterD outage is made again at each try:
+sends nothing (but for the periodic check below). A re-assertion (or resync) that waits out a ClusterD outage is made again at each try:
 sent as built, it would occur faults recovered meanwhile, and ClusterD would hold them for its delete
 delay (5 s and more) after their recover.
 
@@ -26,6 +26,15 @@ is opened for a request and closed `idle_disconnect_seconds` after the last one 
 faults stays connected to hear of a ClusterD restart at once. The periodic re-assertion's period
 grows with `cluster_nodes` so that the cluster's re-assertions stay a small share of the budget.
 With `resources`, each node sends under one of them, always the same, by a hash of its name.
+
+With the API server (`observe`), a new ClusterD process is noticed from its pod whether the node is
+connected or not, and every re-assertion (after a restart, a lost connection, failed requests, as
+a follow-up or periodically) first reads what ClusterD saved (its ConfigMap) and sends only the
+difference; the follow-up, `FOLLOW_UP_S` later, reads it again once ClusterD has surely reloaded
+it. A restart that kept everything costs no request, so it does not cost the cluster's budget what
+a storm would. The check at start and the periodic one run on nodes without faults too: they find
+keys ClusterD holds for the node that the node does not know (its state_dir was lost). With the ConfigMap unreadable,
+the node re-sends everything, as without the API server.
 
 The sink never dies: a failed cursor write keeps the cursor in memory and is retried with backoff
 (delivery goes on meanwhile), an unexpected error restarts the delivery loop with backoff, and
@@ -40,7 +49,7 @@ import random
 import time
 import uuid
 from collections import Counter
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -48,15 +57,19 @@ from google.protobuf.json_format import MessageToDict
 from agent._proto import pubfault_pb2 as pb
 from agent._proto import pubfault_pb2_grpc as pb_grpc
 from agent.config import ClusterdConfig, resource_names
-from agent.sinks.clusterd.batch import ClusterdView, Transition, current, plan, reassertion, requests, resync
+from agent.sinks.clusterd.batch import (ClusterdView, Transition, current, differences, plan, reassertion,
+                                        requests, resync)
 from agent.sinks.clusterd.pacing import Pacing, reconcile_period_s, resource_of
 from agent.model import Change, PodsOf, no_pods
 from agent.faults.log import FaultLog
 from agent.sinks.clusterd.pubfault import (MAX_FAULTS_PER_REQUEST, PublicFault, fault_problems, public_faults,
                                            request_problems, to_message)
 from agent.common.fsutil import WriteRetry
-from agent.common.ratelimit import TokenBucket
+from agent.common.ratelimit import TokenBucket, doubling
 from agent.lifecycle import Tasks
+
+if TYPE_CHECKING:
+    from agent.sinks.clusterd.observe import ClusterdObserver
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +81,10 @@ FOLLOW_UP_S = 30.0  # ClusterD reloads its saved cache only after it serves; req
 # Every node notices a ClusterD restart at the same moment, and the new process has a burst of 100
 # requests for the whole cluster: spread the re-assertions (and their follow-ups) a little.
 REASSERT_SPREAD_S = 1.0
+# After a restart, the nodes that hold faults read ClusterD's ConfigMap: spread over up to a second
+# per CHECKS_PER_S nodes of the cluster (the API server serves them; ClusterD is not asked).
+CHECKS_PER_S = 50.0
+SAVE_LAG_S = 3.0  # ClusterD saves its cache about a second after a change, then the API server has it
 HOLD_CONNECTION_NODES = 256  # up to this `cluster_nodes`, faulty nodes cannot fill a quarter of ClusterD's 1,024
 RECONCILE_BUDGET_SHARE = 0.04  # of each resource's refill, for the whole cluster's periodic re-assertions
 CHANNEL_OPTIONS = [
@@ -93,8 +110,10 @@ class ClusterdSink:
 
     def __init__(self, config: ClusterdConfig, node: str, fault_log: FaultLog,
                  clock: Callable[[], float] = time.time, pods_of: PodsOf = no_pods,
-                 devices_known: Callable[[], bool] = lambda: True, monotonic: Callable[[], float] = time.monotonic):
-        """`clock` is the wall clock (request times), `monotonic` the one of the loop's sleeps (the loop's own)."""
+                 devices_known: Callable[[], bool] = lambda: True, monotonic: Callable[[], float] = time.monotonic,
+                 observer: ClusterdObserver | None = None):
+        """`clock` is the wall clock (request times), `monotonic` the one of the loop's sleeps (the loop's own);
+        `observer`: ClusterD as the API server shows it (its restarts, what it saved), when there is one."""
         self._config = config
         self._devices_known = devices_known  # the first poll is done: the log's latest states are current
         self._pods_of = pods_of  # who holds an NPU when its fault is sent (kubelet attribution)
@@ -107,7 +126,11 @@ class ClusterdSink:
         self._hold = config.cluster_nodes <= HOLD_CONNECTION_NODES
         self._reconcile_s = reconcile_period_s(config.reconcile_interval_seconds, config.cluster_nodes,
                                                len(resources) or 1, RECONCILE_BUDGET_SHARE)
-        self._pacing = Pacing(monotonic)
+        self._pacing = Pacing(monotonic, cluster_nodes=config.cluster_nodes)
+        self._observer = observer if observer is not None and observer.reads else None  # (checks)
+        self._check_spread_s = max(3 * REASSERT_SPREAD_S, config.cluster_nodes / CHECKS_PER_S)
+        if observer is not None:
+            observer.on_start(self.clusterd_started)
         self._bucket = TokenBucket(REQUESTS_PER_S, REQUEST_BURST, monotonic)
         self._wakeup = asyncio.Event()
         self.tasks = Tasks("clusterd-sink")
@@ -131,8 +154,11 @@ class ClusterdSink:
         self.writes = (self._cursor_writes,)  # (agent.model.Sink)
         self.counters: Counter[str] = Counter()  # requests by result
         self.reconciles: Counter[str] = Counter()  # re-assertions that sent something, by reason
+        self.checks: Counter[str] = Counter(dict.fromkeys(("in_step", "differed", "unknown"), 0))  # see _reassert
         self.unsent = 0  # occurrences over before they could be sent (clusterd_batch.plan)
         self.last_success = 0.0
+        self._accepted_at = -SAVE_LAG_S  # monotonic: when ClusterD last accepted a request
+        self._postponed = False  # the re-assertion due was put off once for SAVE_LAG_S
 
     # ---- component ----------------------------------------------------------------------------
 
@@ -217,8 +243,13 @@ class ClusterdSink:
                 new = channel.get_state(try_to_connect=True)
             state = new
 
-    def _reassert_soon(self, why: str) -> None:
-        at = self._now() + random.uniform(0, REASSERT_SPREAD_S)
+    def clusterd_started(self) -> None:
+        """A new ClusterD process serves (`observe`): check what it saved, and again once it surely
+        reloaded that (the follow-up: a recover it handled before its reload is undone by it)."""
+        self._reassert_soon("clusterd restarted", spread=self._check_spread_s)
+
+    def _reassert_soon(self, why: str, spread: float = REASSERT_SPREAD_S) -> None:
+        at = self._now() + random.uniform(0, spread)
         if at < self._reassert_at:
             self._reassert_at, self._reassert_why = at, why
         self._follow_up = True
@@ -323,7 +354,11 @@ class ClusterdSink:
         if items:
             self.reconciles["resync"] += 1
         await self._acknowledged(items, target, revision)
-        if self._reassert_why == "start":
+        if self._reassert_why == "start" and self._observer is not None:
+            # What ClusterD holds for this node beyond what it was just told: keys of a run whose
+            # state_dir was lost. Checked soon, and only the difference sent.
+            self._reassert_at = self._now() + random.uniform(0, self._check_spread_s)
+        elif self._reassert_why == "start":
             self._next_reassertion()  # the resync was the start's re-assertion
 
     async def _acknowledged(self, sent: list[Transition], held: dict[str, PublicFault], revision: int) -> None:
@@ -353,31 +388,66 @@ class ClusterdSink:
         self._cursor_writes.succeeded()
 
     def _next_reassertion(self) -> None:
+        self._postponed = False
         if self._follow_up:
             self._follow_up, self._reassert_why = False, "follow-up"
-            self._reassert_at = self._now() + FOLLOW_UP_S + random.uniform(0, 3 * REASSERT_SPREAD_S)
+            self._reassert_at = self._now() + FOLLOW_UP_S + random.uniform(0, self._check_spread_s)
         else:
             self._reassert_why = "periodic"
             self._reassert_at = self._now() + self._reconcile_s * random.uniform(0.9, 1.1)
 
     async def _reassert(self) -> None:
         why = self._reassert_why
-        self._next_reassertion()
-        if not current(reassertion(self._view), self._wanted_now()):
+        checked = self._observer is not None
+        lag = self._accepted_at + SAVE_LAG_S - self._now()
+        if checked and lag > 0 and not self._postponed:
+            # What ClusterD was just told is not in its ConfigMap yet: read it once it is (once only:
+            # a node whose requests keep coming is not kept from its check).
+            self._reassert_at, self._postponed = self._now() + lag, True
             return
+        self._next_reassertion()
+        # A node with nothing held or recently recovered has nothing to re-assert, but the check at
+        # start and the periodic one also find keys ClusterD holds for it that it does not know (a
+        # previous run's whose state_dir was lost).
+        everyone = why in ("start", "periodic") and checked
+        if not everyone and not current(reassertion(self._view), self._wanted_now()):
+            return
+        wanted: Callable[[ClusterdView], list[Transition]] = reassertion
+        if checked:
+            saved = await self._observer.saved(self._node, self._resource)
+            if isinstance(saved, str) or not saved.exists:
+                # Unknown (the observer logs why), or no ConfigMap at all: everything, recent recovers too.
+                self.checks["unknown" if isinstance(saved, str) else "differed"] += 1
+                if not current(reassertion(self._view), self._wanted_now()):
+                    return
+            elif not self._differences(self._view, saved.faults):
+                self.checks["in_step"] += 1
+                return
+            else:
+                self.checks["differed"] += 1
+                wanted = lambda view, saved=saved.faults: self._differences(view, saved)  # noqa: E731
         log.info("re-asserting public faults to clusterd", extra={
-            "reason": why, "held": len(self._view.held), "recently_recovered": len(self._view.recovered)})
+            "reason": why, "held": len(self._view.held), "recently_recovered": len(self._view.recovered),
+            **({"only_differences": True} if wanted is not reassertion else {})})
         done: set[tuple[str, str]] = set()
 
         def build() -> list[Transition]:
             # At each try, from the devices' state then: it may wait out a whole ClusterD outage, while
             # the changes logged meanwhile wait behind it.
-            items = current(reassertion(self._view), self._wanted_now())
+            items = current(wanted(self._view), self._wanted_now())
             return [t for t in items if (t[0], t[1].fault_id) not in done][:MAX_FAULTS_PER_REQUEST]
 
         while sent := await self._send(build):
             done.update((assertion, fault.fault_id) for assertion, fault in sent)
         self.reconciles[why] += 1
+
+    def _differences(self, view: ClusterdView, saved: dict[str, PublicFault]) -> list[Transition]:
+        """`differences`, as of the devices' state now: no occur of a fault gone since, and no recover of
+        one a device still has (the view lags the log while a backlog is being delivered)."""
+        wanted = self._wanted_now()
+        faulty = {fid for faults in wanted.values() for fid in faults}
+        return [(assertion, f) for assertion, f in current(differences(view, saved), wanted)
+                if assertion == "occur" or f.fault_id not in faulty]
 
     def _wanted_now(self) -> dict[int, dict[str, PublicFault]]:
         """Each device's public faults as of its last logged change (which may be newer than the view)."""
@@ -406,6 +476,8 @@ class ClusterdSink:
         reported: set[tuple[str, str]] = set()
         attempt = 0
         self._batch_uncertain = False
+        if not self._hold and self._channel is None:  # a connection to open: see Pacing.opening
+            await asyncio.sleep(self._pacing.opening())
         while True:
             batch = build()
             faults = []
@@ -440,7 +512,7 @@ class ClusterdSink:
                                      details="; ".join(problems))
             if outcome == "sent":
                 self._pacing.delivered()
-                self.last_success = self._clock()
+                self.last_success, self._accepted_at = self._clock(), self._now()
                 if self._failed_call:  # what failed may land late, or ClusterD may have restarted meanwhile
                     self._failed_call = False
                     self._reassert_soon("after failed requests")
@@ -454,7 +526,7 @@ class ClusterdSink:
                 continue
             self._batch_uncertain = True
             attempt += 1
-            backoff = random.uniform(0.5, min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** attempt))
+            backoff = random.uniform(0.5, doubling(attempt, BACKOFF_FIRST_S, BACKOFF_MAX_S))
             if outcome == "failed" and not self._holding() and self._channel is not None and \
                     self._channel.get_state() is not grpc.ChannelConnectivity.READY:
                 # No connection (ClusterD away, or its listener full and resetting new ones): a channel

@@ -37,6 +37,30 @@ is written then and cannot overwrite the stored entries before they are read.
 A restart loses the queue, the cache changes not yet written, and the limiter
 buckets.
 
+Where the snapshot lives: by default in the stand-in itself.  Given a
+Kubernetes API stand-in (``kube``), where ClusterD keeps it: the ConfigMap
+``cluster-system/statistic-fault-info`` (label ``mc-statistic-fault=true``),
+so anything reading it through the API sees what ClusterD would show.  A write
+replaces the ConfigMap's whole ``data`` (update, or create if missing) with
+two JSON strings:
+
+* ``PublicFaults``: node name -> one entry per cached fault of that node
+  (nodes without faults absent), each with ``resource``, ``devIds``,
+  ``faultId``, ``type``, ``faultCode``, ``level``, ``faultTime`` (the
+  request's, in ms), every field left out when empty or zero (Go's omitempty);
+* ``FaultNum``: ``{"publicFaultNum": N}``, N the number of cached faults.
+
+Above 4500 faults the write is a patch of ``FaultNum`` and a ``Description``
+saying the detail is incomplete; ``PublicFaults`` keeps its last content (a
+missing ConfigMap is then not created).  Back at or under 4500, the full write
+replaces ``data`` again and the ``Description`` is gone.  The reload reads the
+ConfigMap: missing, without ``PublicFaults``, or holding JSON that ClusterD's
+decoder rejects (a wrong type anywhere, NaN, trailing data), it loads nothing;
+an entry's missing field loads as empty or zero.  The stand-in also keeps
+ClusterD's pod there (``mindx-dl``, label ``app=clusterd``, see
+``_ClusterdPod``): a stop is its container dying, a start its restart in the
+same pod, ``replace_pod`` a new pod.
+
 In front of the handler, like ClusterD's server: a unary-call limiter of 1,000
 calls/s (burst 1,000) that every unary method but HealthCheck shares, answered
 with gRPC UNKNOWN "qps exceeded, method=..." (``other_calls_per_s`` spends part
@@ -48,7 +72,14 @@ Time: every rule reads the injected ``clock``.  The background loops (delete
 queue, writer, reload) are a discrete-event simulation that is advanced to the
 clock's now at the start of every call and every query, so a test can drive it
 with a fake clock and there are no timer threads to race against.  Events at
-the same instant as a request happen before it.
+the same instant as a request happen before it.  Each event happens at its own
+simulated time whenever the simulation reaches it, so advancing more often
+changes nothing but when its effects become visible outside: with ``kube`` the
+ConfigMap is read by others without asking the stand-in, so a ticker also
+advances it every ``advance_every_s`` (with a fake clock, it only catches up
+with the test's moves).  A change a test makes to the ConfigMap directly is
+read by the next reload the simulation runs; a start runs its reload (with no
+``reload_delay_s``) before it returns.
 """
 
 from __future__ import annotations
@@ -58,12 +89,15 @@ import logging
 import math
 import os
 import re
+import secrets
 import threading
 import time
+import uuid
 from collections import deque
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import grpc
 
@@ -73,6 +107,9 @@ from testkit.fakes.clusterd.listener import PER_IP_LIMIT, TOTAL_LIMIT, Connectio
 
 CLUSTERD_LISTENER_CAP = (TOTAL_LIMIT, PER_IP_LIMIT)
 from testkit.wait import wait_until
+
+if TYPE_CHECKING:
+    from testkit.fakes.kube import KubeStandIn
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +152,15 @@ IDLE_POLL_S = 0.5  # the delete loop's poll while its queue is empty
 MAX_PERSISTED_FAULTS = 4500  # above this the persisted list stays stale
 UNARY_QPS = 1000.0  # ClusterD's limitQPS interceptor: one bucket for every unary method but HealthCheck
 METHOD = "/PubFault/SendPublicFault"
+
+# Where ClusterD keeps its cache (with ``kube``): names, label and data keys as ClusterD writes them.
+CONFIGMAP_NAMESPACE, CONFIGMAP_NAME = "cluster-system", "statistic-fault-info"
+CONFIGMAP_LABELS = {"mc-statistic-fault": "true"}
+PUBLIC_FAULTS_KEY, FAULT_NUM_KEY, DESCRIPTION_KEY = "PublicFaults", "FaultNum", "Description"
+TOO_MANY_FAULTS = ("The current total number of faults is too large, "
+                   "and only a portion of the detailed fault data is displayed")
+# ClusterD's Deployment: one replica in mindx-dl, pods labelled app=clusterd, one container.
+POD_NAMESPACE, POD_LABELS, CONTAINER = "mindx-dl", {"app": "clusterd"}, "clusterd"
 
 Key = tuple[str, str, str]  # (node, resource, faultId)
 
@@ -204,7 +250,9 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
 
     ``stop()`` then ``start()`` is a ClusterD pod restart: the new process
     starts with an empty cache, reloads what the ConfigMap holds, and has lost
-    its delete queue, unwritten changes and rate-limit buckets.
+    its delete queue, unwritten changes and rate-limit buckets.  With ``kube``
+    the pod shows it: ``stop()`` is the container dying, ``start()`` its restart
+    (restartCount + 1), ``replace_pod()`` a new pod (a rollout or reschedule).
     """
 
     def __init__(self, config: Mapping[str, Any] | str | os.PathLike = DEFAULT_CONFIG, *,
@@ -213,11 +261,18 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
                  max_cached_faults: int = MAX_CACHED_FAULTS, poll_phase: float | None = None,
                  write_interval_s: float = 1.0, reload_delay_s: float = 0.0, unary_qps: float = UNARY_QPS,
                  other_calls_per_s: float = 0.0,
-                 listener_cap: tuple[int, int | None] | None = None, cap_in_grpc: bool = False):
+                 listener_cap: tuple[int, int | None] | None = None, cap_in_grpc: bool = False,
+                 kube: KubeStandIn | None = None, max_persisted_faults: int = MAX_PERSISTED_FAULTS,
+                 advance_every_s: float = 0.1):
         """``listener_cap``: (total, per client IP or None) connections, e.g. (1024, 512) as ClusterD;
         None: no limit and no relay (the gRPC server listens itself). ``cap_in_grpc``: the total cap
         is kept by gRPC's own listener, without the relay (no per-IP cap; counts sampled, see
-        ``CoreCap``): for a thousand clients, which the relay cannot keep up with."""
+        ``CoreCap``): for a thousand clients, which the relay cannot keep up with.
+
+        ``kube``: keep the saved cache in ConfigMap ``cluster-system/statistic-fault-info`` and the
+        pod in ``mindx-dl`` there (the namespaces are made here, as the installation does), and
+        advance the simulation every ``advance_every_s`` while serving (see the module docstring).
+        ``max_persisted_faults``: the count above which the saved list goes stale (4500 in ClusterD)."""
         if cap_in_grpc and (listener_cap is None or listener_cap[1] is not None):
             raise ValueError("cap_in_grpc keeps a total cap only: listener_cap=(total, None)")
         self._cap_in_grpc = cap_in_grpc
@@ -240,6 +295,14 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
         self._poll_phase = poll_phase
         self._write_interval_s = write_interval_s
         self._reload_delay_s = reload_delay_s
+        self._max_persisted = max_persisted_faults
+        self._kube = kube
+        self._pod = _ClusterdPod(kube, host) if kube is not None else None
+        self._advance_every_s = advance_every_s
+        self._ticker: tuple[threading.Thread, threading.Event] | None = None
+        if kube is not None:
+            for namespace in (CONFIGMAP_NAMESPACE, POD_NAMESPACE):
+                kube.add_namespace(namespace)
 
         self._lock = threading.Lock()
         self._requests: list[Received] = []
@@ -249,7 +312,7 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
         self._stopped = threading.Event()  # wakes handlers sleeping in delay() on stop()
         self._server: grpc.Server | None = None
         self._generation = 0  # one per process, so a handler from a previous one can't touch this one
-        # The ConfigMap: outlives the process.
+        # The ConfigMap without ``kube``: outlives the process.
         self._persisted: dict[Key, dict[str, Any]] = {}
         # The process (see _boot and _die).
         self._running = False
@@ -270,8 +333,10 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
 
     # ----- lifecycle -----
 
-    def start(self, persisted: bool = True) -> "ClusterdStandIn":
-        """Start serving (on the same port after a stop).  ``persisted=False``: the ConfigMap is gone."""
+    def start(self, persisted: bool = True, new_pod: bool = False) -> "ClusterdStandIn":
+        """Start serving (on the same port after a stop).  ``persisted=False``: the ConfigMap is gone.
+        With ``kube``: the first start creates the pod; a later one restarts its container, or with
+        ``new_pod`` deletes it and runs in a new pod."""
         if self._server is not None:
             raise RuntimeError("ClusterdStandIn already started")
         relay = self._listener_cap is not None and not self._cap_in_grpc
@@ -297,12 +362,19 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
             self._cap = ConnectionCap(self._host, bound, self.port, total, per_ip).start()
             self.port = self._cap.port
         with self._lock:
+            now = self._clock()
             if not persisted:
-                self._persisted.clear()
-            self._boot(self._clock())
+                self._forget_saved()
+            self._boot(now)
         self._stopped.clear()
         server.start()
         self._server = server
+        if self._pod is not None:
+            self._pod.running(now, new_pod)
+            stop = threading.Event()
+            ticker = threading.Thread(target=self._tick, args=(stop,), name="clusterd-standin-ticker", daemon=True)
+            ticker.start()
+            self._ticker = ticker, stop
         return self
 
     def stop(self, grace: float | None = 0) -> None:
@@ -310,6 +382,11 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
         if self._server is None:
             return
         self._stopped.set()
+        if self._ticker is not None:
+            ticker, stop = self._ticker
+            stop.set()
+            ticker.join()
+            self._ticker = None
         if self._cap is not None:  # the listener and every connection close with the process
             self._cap.stop()
             self._cap = None
@@ -317,19 +394,41 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
         self._server.stop(grace).wait()
         self._server = None
         with self._lock:
-            self._die(self._clock())
+            now = self._clock()
+            self._die(now)
+        if self._pod is not None:
+            self._pod.terminated(now)
 
-    def restart(self, persisted: bool = True) -> "ClusterdStandIn":
+    def restart(self, persisted: bool = True, new_pod: bool = False) -> "ClusterdStandIn":
         self.stop()
-        return self.start(persisted)
+        return self.start(persisted, new_pod)
+
+    def replace_pod(self, persisted: bool = True) -> "ClusterdStandIn":
+        """ClusterD moves to a new pod (a rollout, an eviction): the old one is deleted, the new one has
+        a new name and uid and restartCount 0."""
+        return self.restart(persisted, new_pod=True)
 
     def forget_all(self) -> None:
-        """ClusterD restarted with nothing saved, behind a proxy: the clients' connections stay up."""
+        """ClusterD restarted with nothing saved, behind a proxy: the clients' connections stay up.
+        With ``kube`` its container restarts in the same pod."""
         with self._lock:
             now = self._clock()
             self._die(now)
-            self._persisted.clear()
+            self._forget_saved()
             self._boot(now)
+        if self._pod is not None:
+            self._pod.terminated(now)
+            self._pod.running(now, new_pod=False)
+
+    def _tick(self, stop: threading.Event) -> None:
+        """Advance the simulation now and then, so the ConfigMap follows the clock for readers that only
+        look at the Kubernetes API."""
+        while not stop.wait(self._advance_every_s):
+            try:
+                with self._lock:
+                    self._advance(self._clock())
+            except Exception:  # noqa: BLE001 - a bug here must not stop the stand-in's clock silently
+                log.exception("clusterd stand-in: advancing the simulation failed")
 
     def _boot(self, now: float) -> None:
         """A new ClusterD process starts serving at ``now`` (lock held)."""
@@ -342,6 +441,8 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
         # Limiters are built fresh by the new process, full.
         self._buckets = {r: _TokenBucket(self._rate_per_s, self._burst, now) for r in self._resources}
         self._unary = _TokenBucket(max(0.0, self._unary_qps - self._other_calls_per_s), int(self._unary_qps), now)
+        # A reload due now reads the saved copy as it is at this start, not whenever the next call comes.
+        self._advance(now)
 
     def _die(self, now: float) -> None:
         """The process dies at ``now``: due events happen, the rest and unwritten changes are lost (lock held)."""
@@ -390,7 +491,7 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
         """The ConfigMap is deleted; the running cache is untouched (the next write recreates it)."""
         with self._lock:
             self._advance(self._clock())
-            self._persisted.clear()
+            self._forget_saved()
 
     # ----- observation -----
 
@@ -418,10 +519,18 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
             return list(self._queue)
 
     def persisted(self) -> dict[Key, dict[str, Any]]:
-        """What the ConfigMap holds now, per key: the stored fields only."""
+        """What the ConfigMap holds now, per key: the stored fields only (with ``kube``: what a reload
+        would load from it, a field left out as empty or zero; empty if it would load nothing)."""
         with self._lock:
             self._advance(self._clock())
+            if self._kube is not None:
+                return self._read_configmap(quiet=True)
             return {key: dict(rec, deviceIds=list(rec["deviceIds"])) for key, rec in self._persisted.items()}
+
+    @property
+    def pod_name(self) -> str | None:
+        """The name of ClusterD's pod in the kube stand-in (None before the first start or without ``kube``)."""
+        return None if self._pod is None else self._pod.name
 
     def assertions(self, fault_id: str) -> list[str]:
         with self._lock:
@@ -591,7 +700,9 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
         kept = pb.Fault()
         kept.CopyFrom(fault)
         kept.assertion = "occur"  # `once` is stored as an occur
-        self._cache[key] = StoredFault(kept, second, level or self._levels[fault.faultCode], device_ids)
+        # A reloaded entry keeps its saved level, even an empty one (the code is not looked up again).
+        self._cache[key] = StoredFault(kept, second, self._levels[fault.faultCode] if level is None else level,
+                                       device_ids)
 
     # ----- the background loops, as a discrete-event simulation (lock held) -----
 
@@ -651,19 +762,229 @@ class ClusterdStandIn(pb_grpc.PubFaultServicer):
             self._writer_wake = None
 
     def _write(self, at: float) -> None:
-        if len(self._cache) <= MAX_PERSISTED_FAULTS:
+        if self._kube is not None:
+            self._write_configmap()
+        elif len(self._cache) <= self._max_persisted:
             self._persisted = {key: _persisted_record(key, stored) for key, stored in self._cache.items()}
         self._writer_wake = at + self._write_interval_s
 
     def _reload(self, at: float, now: float) -> None:
         self._reload_at = None
-        for key, rec in self._persisted.items():
+        saved = self._persisted if self._kube is None else self._read_configmap()
+        for key, rec in saved.items():
             fault = pb.Fault(faultId=rec["faultId"], faultType=rec["faultType"], faultCode=rec["faultCode"],
                              faultTime=rec["faultTime"], assertion="occur",
                              influence=[pb.PubFaultInfo(nodeName=rec["node"], deviceIds=rec["deviceIds"])])
             self._add(fault, key, tuple(rec["deviceIds"]), math.floor(at), rec["level"])
         self._writer_live = True
         self._writer_woke(at, now)  # a notify that came before the reload is written now
+
+    # ----- the saved copy in the kube stand-in (lock held) -----
+
+    def _forget_saved(self) -> None:
+        if self._kube is None:
+            self._persisted.clear()
+        else:
+            self._kube.delete("ConfigMap", CONFIGMAP_NAMESPACE, CONFIGMAP_NAME)
+
+    def _write_configmap(self) -> None:
+        """ClusterD's write: the whole data map, or above the limit a patch of the count alone."""
+        count = len(self._cache)
+        fault_num = json.dumps({"publicFaultNum": count}, separators=(",", ":"))
+        current = self._kube.get("ConfigMap", CONFIGMAP_NAMESPACE, CONFIGMAP_NAME)
+        if count > self._max_persisted:
+            log.info("clusterd stand-in: %d public faults, over %d: only %s and %s of %s/%s are written",
+                     count, self._max_persisted, FAULT_NUM_KEY, DESCRIPTION_KEY, CONFIGMAP_NAMESPACE, CONFIGMAP_NAME)
+            if current is None:  # a patch does not create
+                log.warning("clusterd stand-in: patching ConfigMap %s/%s failed: not found",
+                            CONFIGMAP_NAMESPACE, CONFIGMAP_NAME)
+                return
+            wanted = dict(current, data={**(current.get("data") or {}), FAULT_NUM_KEY: fault_num,
+                                         DESCRIPTION_KEY: TOO_MANY_FAULTS})
+        else:
+            wanted = {"kind": "ConfigMap",
+                      "metadata": {"name": CONFIGMAP_NAME, "namespace": CONFIGMAP_NAMESPACE,
+                                   "labels": dict(CONFIGMAP_LABELS)},
+                      "data": {PUBLIC_FAULTS_KEY: _public_faults_json(self._cache), FAULT_NUM_KEY: fault_num}}
+        if current is not None and _content(current) == _content(wanted):
+            return  # the API server stores nothing for an update that changes nothing
+        self._kube.put(wanted)
+
+    def _read_configmap(self, quiet: bool = False) -> dict[Key, dict[str, Any]]:
+        """ClusterD's load: the saved entries, or nothing (said why) if the ConfigMap or its key is missing
+        or its JSON does not decode."""
+        where = f"{CONFIGMAP_NAMESPACE}/{CONFIGMAP_NAME}"
+        say = log.debug if quiet else log.warning
+        cm = self._kube.get("ConfigMap", CONFIGMAP_NAMESPACE, CONFIGMAP_NAME)
+        if cm is None:
+            (log.debug if quiet else log.info)("clusterd stand-in: ConfigMap %s not found, nothing to reload", where)
+            return {}
+        text = (cm.get("data") or {}).get(PUBLIC_FAULTS_KEY)
+        if text is None:
+            say("clusterd stand-in: ConfigMap %s has no key %r, nothing reloaded", where, PUBLIC_FAULTS_KEY)
+            return {}
+        try:
+            saved = _parse_public_faults(text)
+        except ValueError as e:
+            say("clusterd stand-in: %s of ConfigMap %s does not decode (%s), nothing reloaded",
+                PUBLIC_FAULTS_KEY, where, e)
+            return {}
+        if not quiet:
+            log.info("clusterd stand-in: reloaded %d public fault(s) from ConfigMap %s", len(saved), where)
+        return saved
+
+
+class _ClusterdPod:
+    """ClusterD's pod in the kube stand-in, as the kubelet reports it: phase Running, one container
+    ``clusterd`` whose death makes the pod not ready and whose restart counts in ``restartCount``.
+
+    No readiness probe is modelled: the container is ready once it runs.  Times are the stand-in's
+    clock, RFC 3339 UTC in whole seconds (the pod's creationTimestamp is the kube stand-in's own)."""
+
+    HASH = "5c8d7b9f64"  # the ReplicaSet's pod-template-hash; pod names are clusterd-<hash>-<5 characters>
+    EXIT = {"exitCode": 137, "reason": "Error"}  # killed: what a crash or a kill leaves
+    _SUFFIX = "bcdfghjklmnpqrstvwxz2456789"  # the alphabet of generated names
+
+    def __init__(self, kube: KubeStandIn, host: str):
+        self._kube, self._host = kube, host
+        self._replica_set_uid = str(uuid.uuid4())
+        self.name: str | None = None
+        self._created = self._transition = ""
+        self._restarts = 0
+        self._container_id = ""
+        self._state: dict[str, Any] = {}
+        self._last_state: dict[str, Any] = {}
+
+    def running(self, now: float, new_pod: bool) -> None:
+        """The container starts: in a new pod the first time or with ``new_pod``, else restarted in this one."""
+        stamp = _rfc3339(now)
+        if self.name is None or new_pod:
+            if self.name is not None:
+                self._kube.delete("Pod", POD_NAMESPACE, self.name)
+            suffix = "".join(secrets.choice(self._SUFFIX) for _ in range(5))
+            self.name = f"clusterd-{self.HASH}-{suffix}"
+            self._created, self._restarts, self._last_state = stamp, 0, {}
+        else:
+            self._restarts += 1
+            self._last_state = dict(self._state)  # the termination
+        self._container_id = f"containerd://{secrets.token_hex(32)}"
+        self._state = {"running": {"startedAt": stamp}}
+        self._transition = stamp
+        self._kube.put(self._object())
+
+    def terminated(self, now: float) -> None:
+        """The container died: the pod stays, not ready."""
+        if "running" not in self._state:
+            return
+        stamp = _rfc3339(now)
+        self._state = {"terminated": {**self.EXIT, "startedAt": self._state["running"]["startedAt"],
+                                      "finishedAt": stamp, "containerID": self._container_id}}
+        self._transition = stamp
+        self._kube.put(self._object())
+
+    def _object(self) -> dict[str, Any]:
+        ready = "running" in self._state
+
+        def condition(kind: str, status: bool, since: str) -> dict[str, Any]:
+            found = {"type": kind, "status": "True" if status else "False", "lastProbeTime": None,
+                     "lastTransitionTime": since}
+            if not status:
+                found.update(reason="ContainersNotReady", message=f"containers with unready status: [{CONTAINER}]")
+            return found
+
+        return {
+            "kind": "Pod",
+            "metadata": {
+                "name": self.name, "namespace": POD_NAMESPACE, "labels": {**POD_LABELS, "pod-template-hash": self.HASH},
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": f"clusterd-{self.HASH}",
+                                     "uid": self._replica_set_uid, "controller": True, "blockOwnerDeletion": True}]},
+            "spec": {"containers": [{"name": CONTAINER, "image": "clusterd:stand-in"}], "restartPolicy": "Always",
+                     "serviceAccountName": "clusterd", "nodeSelector": {"masterselector": "dls-master-node"}},
+            "status": {
+                "phase": "Running", "startTime": self._created, "podIP": self._host,
+                "conditions": [condition("Initialized", True, self._created),
+                               condition("Ready", ready, self._transition),
+                               condition("ContainersReady", ready, self._transition),
+                               condition("PodScheduled", True, self._created)],
+                "containerStatuses": [{
+                    "name": CONTAINER, "ready": ready, "started": ready, "restartCount": self._restarts,
+                    "state": self._state, "lastState": self._last_state, "image": "clusterd:stand-in",
+                    "imageID": f"clusterd@sha256:{'0' * 64}", "containerID": self._container_id}]}}
+
+
+def _rfc3339(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _content(cm: dict[str, Any]) -> tuple:
+    """What an update of a ConfigMap sets (without what the API server assigns)."""
+    meta = {k: v for k, v in (cm.get("metadata") or {}).items()
+            if k not in ("uid", "resourceVersion", "creationTimestamp")}
+    return meta, cm.get("data") or {}, cm.get("binaryData") or {}
+
+
+def _public_faults_json(cache: Mapping[Key, StoredFault]) -> str:
+    """``PublicFaults`` as ClusterD marshals it: nodes in key order, entry fields in the order its Go struct
+    declares them, each left out when empty or zero (omitempty), compact, UTF-8 unescaped.  A node's entries
+    are in cache order here; ClusterD's come in Go map order, which is arbitrary."""
+    nodes: dict[str, list[dict[str, Any]]] = {}
+    for (node, resource, fault_id), stored in cache.items():
+        entry = {"resource": resource, "devIds": list(stored.device_ids), "faultId": fault_id,
+                 "type": stored.fault.faultType, "faultCode": stored.fault.faultCode, "level": stored.level,
+                 "faultTime": stored.fault.faultTime}
+        nodes.setdefault(node, []).append({k: v for k, v in entry.items() if v})
+    return json.dumps(dict(sorted(nodes.items())), separators=(",", ":"), ensure_ascii=False)
+
+
+_ENTRY_STRINGS = {"resource": "resource", "faultId": "faultId", "type": "faultType", "faultCode": "faultCode",
+                  "level": "level"}  # PublicFaults field -> record field
+
+
+def _parse_public_faults(text: str) -> dict[Key, dict[str, Any]]:
+    """``PublicFaults`` decoded as ClusterD's Go decoder does (node -> list of entries), as records keyed like
+    the cache; ValueError for anything it rejects.  ``null`` is an empty map, list or field; unknown fields
+    are ignored; a later entry of the same key replaces an earlier one."""
+    def no_constants(name: str):
+        raise ValueError(f"{name} is not JSON")
+
+    decoded = json.loads(text, parse_constant=no_constants)  # json.JSONDecodeError is a ValueError
+    if decoded is None:
+        return {}
+    if not isinstance(decoded, dict):
+        raise ValueError(f"a {type(decoded).__name__}, not an object of nodes")
+    saved: dict[Key, dict[str, Any]] = {}
+    for node, entries in decoded.items():
+        if entries is None:
+            continue
+        if not isinstance(entries, list):
+            raise ValueError(f"node {node!r}: a {type(entries).__name__}, not a list of faults")
+        for entry in entries:
+            entry = {} if entry is None else entry
+            if not isinstance(entry, dict):
+                raise ValueError(f"node {node!r}: a {type(entry).__name__}, not a fault object")
+            rec: dict[str, Any] = {"node": node, "deviceIds": []}
+            for field, name in _ENTRY_STRINGS.items():
+                value = entry.get(field)
+                if value is not None and not isinstance(value, str):
+                    raise ValueError(f"node {node!r}: {field} is not a string: {value!r}")
+                rec[name] = value or ""
+            rec["faultTime"] = _go_int(entry.get("faultTime"), 64, node, "faultTime")
+            ids = entry.get("devIds")
+            if ids is not None:
+                if not isinstance(ids, list):
+                    raise ValueError(f"node {node!r}: devIds is not a list: {ids!r}")
+                rec["deviceIds"] = [_go_int(i, 32, node, "devIds") for i in ids]
+            saved[(node, rec["resource"], rec["faultId"])] = rec
+    return saved
+
+
+def _go_int(value: Any, bits: int, node: str, field: str) -> int:
+    """A JSON number into a Go intN: an integer literal in range (null leaves it zero)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not -2 ** (bits - 1) <= value < 2 ** (bits - 1):
+        raise ValueError(f"node {node!r}: {field} is not an int{bits}: {value!r}")
+    return value
 
 
 def _persisted_record(key: Key, stored: StoredFault) -> dict[str, Any]:
