@@ -242,9 +242,10 @@ class ClusterdConfig:
                     "above 256) cannot see; the node then checks `saved_faults` and sends what ClusterD lacks; empty: "
                     "not watched", check=_namespaced, accepts="`NAMESPACE/SELECTOR` or `\"\"`")
     saved_faults: str = key("cluster-system/statistic-fault-info", "the ConfigMap where ClusterD saves its public "
-                            "faults, as `namespace/name`, read (with `kubernetes.enabled`) after a ClusterD restart "
-                            "and at each periodic re-sending, so that only what ClusterD lacks, or holds and should "
-                            "not, is sent; empty, unreadable, or stale (over 4,500 faults): everything is re-sent",
+                            "faults, as `namespace/name`, read (with `kubernetes.enabled`) before every re-sending (at "
+                            "start, after a ClusterD restart or a lost connection, periodically), so that only what "
+                            "ClusterD lacks, or holds and should not, is sent; empty, unreadable, or stale (over "
+                            "4,500 faults): everything is re-sent",
                             check=_namespaced, accepts="`NAMESPACE/NAME` or `\"\"`")
     idle_disconnect_seconds: float = key(
         60.0, "how long the connection to ClusterD stays open after the last request (ClusterD admits 1,024 "

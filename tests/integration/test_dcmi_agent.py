@@ -75,11 +75,14 @@ def test_hung_driver_call_makes_devices_unknown_not_the_agent(start_agent):
     fake.hang("dcmi_get_device_health", 60)
     wait_until(lambda: agent.metric("npu_chip_info_health_status", id=phy(0), model_name="910B3-Ascend-V1") == -1,
                DEADLINE + 1, "health -1 while the driver hangs")
-    # The agent still answers, quickly, and keeps the last known faults.
+    # The agent still answers, without waiting for the hung call (60 s), and keeps the last known faults.
+    # Timed: its own answers only (the CLI that `visible` also runs starts a Python process, which
+    # on a busy machine takes seconds by itself).
     started = time.monotonic()
     assert agent.http("/healthz")[0] == 200
+    assert agent.metric("npu_agent_device_fault", id=phy(3), fault_code="80E18005", fault_level="RestartNPU") == 1
+    assert time.monotonic() - started < 5
     assert visible(agent, 3, "80E18005", "RestartNPU")
-    assert time.monotonic() - started < 1.5
     assert agent.metric("npu_agent_driver_call_timeouts_total") >= 1
     agent.wait_for_log("device read failed; its last known faults stay", device=phy(0))
     fake.hang("dcmi_get_device_health", 0)
