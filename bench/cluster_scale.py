@@ -36,6 +36,10 @@ Scenarios (`--scenarios`):
   fault again; for the 20, as in a storm (a re-assertion flood makes them wait).
 * restart-lost: the same, but ClusterD's saved cache is gone (its ConfigMap deleted); bound =
   K + 20 - 100 s (every fault is sent again).
+* flap: `--flappers` nodes each flip one NPU between SeparateNPU and healthy every 30 s for 10
+  minutes; per-change delay (the occur or recover accepted - the change).
+* day: every node holds a fault, then 24 h with no change (`--day-scale`): requests that are
+  re-assertions per hour, as a share of ClusterD's 3,600/h per resource.
 
 The API server is the Kubernetes stand-in (testkit/fakes/kube): the ClusterD stand-in saves its cache
 in the ConfigMap `cluster-system/statistic-fault-info` there and keeps its pod `mindx-dl/clusterd-*`
@@ -43,10 +47,6 @@ in the ConfigMap `cluster-system/statistic-fault-info` there and keeps its pod `
 observer (agent/sinks/clusterd/observe.py): one per worker process, shared by that worker's sinks
 (the pod watch is the same for every node; each node reads the ConfigMap itself, with its own GET).
 Its watch is renewed every 2 s of real time (the watch's own time-outs are not scaled).
-* flap: `--flappers` nodes each flip one NPU between SeparateNPU and healthy every 30 s for 10
-  minutes; per-change delay (the occur or recover accepted - the change).
-* day: every node holds a fault, then 24 h with no change (`--day-scale`): requests that are
-  re-assertions per hour, as a share of ClusterD's 3,600/h per resource.
 
 For each: the time until ClusterD holds every fault, as a ratio to the bound; p50/p99/max per-node
 delay; refused calls (410 and "qps exceeded") per delivered request; connections held (the most at
